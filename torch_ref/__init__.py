@@ -1,0 +1,13 @@
+"""torch_ref: the PyTorch reference that defines pallas-paged's semantics (see SPEC.md).
+
+Clear before fast: every other implementation is judged against these functions.
+
+- `write_kv`: store new tokens' K/V at their physical slots (slot -1 = padding, writes nothing).
+- `paged_decode_attention`: one query per sequence over its paged K/V.
+- `dense_decode_attention`: the same over contiguous K/V, the self-check for paging.
+"""
+
+from torch_ref.attention import dense_decode_attention, paged_decode_attention
+from torch_ref.cache import quantize_fp8, write_kv
+
+__all__ = ["write_kv", "paged_decode_attention", "dense_decode_attention", "quantize_fp8"]
