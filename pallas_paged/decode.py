@@ -1,0 +1,321 @@
+"""Paged decode attention: the Pallas kernel, its unbatched-grid wrapper, and the public `decode`.
+
+Read top to bottom:
+
+1. `_paged_decode_kernel` works on refs only. One program owns one (sequence, kv head, KV split):
+   it computes all ``group = num_heads // num_kv_heads`` query heads of its kv head at once (the
+   group padded to the dot's minimum of 16 rows), so every K/V row is read once per group. It walks
+   the tiles of its split that lie below ``ceil(n / block_k)`` (and above the sliding-window
+   start), gathering each token's row through the block table, with an online softmax in fp32.
+2. `_decode_pallas` builds the grid ``(batch, num_kv_heads, num_splits)``, calls ``pallas_call``
+   and, when the KV axis is split (flash-decoding), merges the partial ``(o, m, l)`` results.
+3. `decode` validates, resolves the scale and the config, and dispatches to the Pallas kernel or
+   to the plain-XLA path (`reference.decode_xla`).
+
+Safety, by construction rather than by validation (values cannot raise under jit):
+
+- Table entries are loaded only for positions ``< n``; every loaded block id is clamped into
+  ``[0, num_blocks)`` before it becomes an address, so a garbage table cannot read outside the
+  cache. Lengths are clamped into ``[0, max_blocks * block_size]`` so the table row is never
+  overrun either.
+- K and V rows of positions outside ``[window start, n)`` are not loaded (masked loads give 0), and
+  their scores are ``-inf``: NaN/Inf in unused cache slots cannot reach the output.
+- A row with no valid position (``n == 0``) gives zeros and ``lse = -inf``, never NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_paged import reference, tuned, validate
+from pallas_paged.config import DecodeConfig, DecodeShape
+from pallas_paged.platform import next_power_of_2, resolve_interpret, sm_count
+
+DECODE_IMPLS = ("pallas", "xla")
+MIN_DOT_ROWS = 16  # the smallest M of a Triton dot
+HIGHEST = jax.lax.Precision.HIGHEST  # fp32 operands -> IEEE fp32 dot (Triton's default is TF32)
+
+
+def _dot_nt(a, b):
+    """``a @ b.T`` accumulated in fp32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+
+def _dot_nn(a, b):
+    """``a @ b`` accumulated in fp32."""
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+
+def _paged_decode_kernel(
+    lens_ref,    # i32[batch]
+    tables_ref,  # i32[batch, max_blocks]
+    q_ref,       # [batch, num_kv_heads, group, head_dim]
+    k_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (the cache, slot-major)
+    v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]
+    alibi_ref,   # f32[num_kv_heads, group] or None
+    sinks_ref,   # f32[num_kv_heads, group] or None
+    *out_refs,   # split:  o f32[batch, kvh, splits, group, head_dim], m, l f32[batch, kvh, splits, group]
+                 # single: o [batch, kvh, group, head_dim] in q.dtype, then lse f32[batch, kvh, group]
+    scale: float,
+    block_size: int,
+    block_k: int,
+    num_splits: int,
+    padded_group: int,
+    padded_dim: int,
+    compute_dtype,
+    soft_cap: float | None,
+    window: int | None,
+    k_scale: float | None,
+    v_scale: float | None,
+):
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    _, _, group, head_dim = q_ref.shape
+    num_slots = k_ref.shape[0]
+    num_blocks = num_slots // block_size
+    capacity = tables_ref.shape[1] * block_size
+
+    n = jnp.clip(lens_ref[b], 0, capacity)
+    first = jnp.int32(0) if window is None else jnp.maximum(n - window, 0)
+    tile_lo, tile_hi = first // block_k, (n + block_k - 1) // block_k
+    if num_splits > 1:
+        per_split = (tile_hi - tile_lo + num_splits - 1) // num_splits
+        tile_lo = tile_lo + split * per_split
+        tile_hi = jnp.minimum(tile_lo + per_split, tile_hi)
+
+    rows = jnp.arange(padded_group)  # [Gp]
+    cols = jnp.arange(padded_dim)    # [Dp]
+    row_ok, col_ok = rows < group, cols < head_dim
+    q = plgpu.load(q_ref.at[b, h, rows[:, None], cols[None, :]],
+                   mask=row_ok[:, None] & col_ok[None, :], other=0)  # [Gp, Dp]
+    q = q.astype(compute_dtype)
+    if alibi_ref is not None:
+        slopes = plgpu.load(alibi_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gp]
+
+    def tile_body(tile, carry):
+        acc, m_prev, l_prev = carry  # f32[Gp, Dp], f32[Gp], f32[Gp]
+        pos = tile * block_k + jnp.arange(block_k)  # i32[Tk], logical positions
+        valid = (pos >= first) & (pos < n)
+        page = jnp.where(valid, pos // block_size, 0)
+        block = plgpu.load(tables_ref.at[b, page], mask=valid, other=0)  # i32[Tk]
+        block = jnp.clip(block, 0, num_blocks - 1)  # a garbage id can never leave the cache
+        slot = block * block_size + pos % block_size  # i32[Tk]
+        kv_mask = valid[:, None] & col_ok[None, :]
+        k = plgpu.load(k_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=0.0)  # [Tk, Dp]
+        s = _dot_nt(q, k.astype(compute_dtype))  # f32[Gp, Tk]
+        s = s * (scale if k_scale is None else scale * k_scale)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        if alibi_ref is not None:
+            s = s + slopes[:, None] * (pos - (n - 1)).astype(jnp.float32)[None, :]
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m_next = jnp.maximum(m_prev, s.max(axis=1))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # all -inf so far: keep exp finite
+        alpha = jnp.exp(m_prev - m_safe)  # f32[Gp]
+        p = jnp.exp(s - m_safe[:, None])  # f32[Gp, Tk], 0 at masked positions
+        v = plgpu.load(v_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=0.0)  # [Tk, Dp]
+        acc = acc * alpha[:, None] + _dot_nn(p.astype(compute_dtype), v.astype(compute_dtype))
+        return acc, m_next, l_prev * alpha + p.sum(axis=1)
+
+    carry = (jnp.zeros((padded_group, padded_dim), jnp.float32),
+             jnp.full((padded_group,), -jnp.inf, jnp.float32),
+             jnp.zeros((padded_group,), jnp.float32))
+    acc, m, l = jax.lax.fori_loop(tile_lo, tile_hi, tile_body, carry)
+    if v_scale is not None:
+        acc = acc * v_scale
+
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if num_splits > 1:
+        o_ref, m_ref, l_ref = out_refs
+        plgpu.store(o_ref.at[b, h, split, rows[:, None], cols[None, :]], acc, mask=out_mask)
+        plgpu.store(m_ref.at[b, h, split, rows], m, mask=row_ok)
+        plgpu.store(l_ref.at[b, h, split, rows], l, mask=row_ok)
+        return
+
+    if sinks_ref is not None:
+        sink = plgpu.load(sinks_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gp]
+        m_total = jnp.maximum(m, sink)
+        correction = jnp.exp(m - m_total)
+        acc = acc * correction[:, None]
+        l = l * correction + jnp.exp(sink - m_total)
+        m = m_total
+    o_ref = out_refs[0]
+    out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    plgpu.store(o_ref.at[b, h, rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=out_mask)
+    if len(out_refs) == 2:
+        lse = jnp.where(n > 0, m + jnp.log(l), -jnp.inf)
+        plgpu.store(out_refs[1].at[b, h, rows], lse, mask=row_ok)
+
+
+def _merge_splits(o, m, l, n, sinks):
+    """Combine per-split partial results (flash-decoding's final step), in fp32.
+
+    Args:
+      o: f32[batch, kvh, splits, group, head_dim], each split's unnormalized weighted sum.
+      m, l: f32[batch, kvh, splits, group], each split's running max and sum of exponentials.
+      n: i32[batch], the clamped lengths.
+      sinks: f32[kvh, group] or None.
+
+    Returns:
+      ``(out f32[batch, kvh, group, head_dim], lse f32[batch, kvh, group])``.
+    """
+    m_total = m.max(axis=2)
+    if sinks is not None:
+        m_total = jnp.maximum(m_total, sinks[None])
+    m_total = jnp.where(jnp.isfinite(m_total), m_total, 0.0)
+    weight = jnp.exp(m - m_total[:, :, None])  # 0 for empty splits (m = -inf)
+    l_total = (weight * l).sum(axis=2)
+    if sinks is not None:
+        l_total = l_total + jnp.exp(sinks[None] - m_total)
+    o_total = (weight[..., None] * o).sum(axis=2)
+    has_rows = (n > 0)[:, None, None]
+    out = jnp.where(has_rows[..., None] & (l_total > 0)[..., None],
+                    o_total / jnp.where(l_total > 0, l_total, 1.0)[..., None], 0.0)
+    lse = jnp.where(has_rows, m_total + jnp.log(l_total), -jnp.inf)
+    return out, lse
+
+
+def _decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, config: DecodeConfig,
+                   interpret: bool, logits_soft_cap, alibi_slopes, sliding_window, sinks, k_scale,
+                   v_scale):
+    batch, num_heads, head_dim = q.shape
+    num_blocks, block_size, kvh, _ = k_cache.shape
+    group = num_heads // kvh
+    splits = config.num_splits
+    padded_group = max(MIN_DOT_ROWS, next_power_of_2(group))
+    padded_dim = max(16, next_power_of_2(head_dim))
+    compute_dtype = q.dtype if q.dtype != jnp.float32 else jnp.float32
+    lens = context_lens.astype(jnp.int32)
+    per_head = lambda x: None if x is None else x.reshape(kvh, group)  # noqa: E731
+    kernel = functools.partial(
+        _paged_decode_kernel, scale=scale, block_size=block_size, block_k=config.block_k,
+        num_splits=splits, padded_group=padded_group, padded_dim=padded_dim,
+        compute_dtype=compute_dtype, soft_cap=logits_soft_cap, window=sliding_window,
+        k_scale=k_scale, v_scale=v_scale)
+    if splits > 1:
+        out_shape = (jax.ShapeDtypeStruct((batch, kvh, splits, group, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((batch, kvh, splits, group), jnp.float32),
+                     jax.ShapeDtypeStruct((batch, kvh, splits, group), jnp.float32))
+    else:
+        out_shape = (jax.ShapeDtypeStruct((batch, kvh, group, head_dim), q.dtype),
+                     jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32))
+    name = (f"pallas_paged_decode_bk{config.block_k}_s{splits}_g{group}_d{head_dim}"
+            f"_bs{block_size}")
+    outs = pl.pallas_call(
+        kernel,
+        grid=(batch, kvh, splits),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret,
+        name=name,
+    )(lens, block_tables.astype(jnp.int32), q.reshape(batch, kvh, group, head_dim),
+      k_cache.reshape(num_blocks * block_size, kvh, head_dim),
+      v_cache.reshape(num_blocks * block_size, kvh, head_dim),
+      per_head(alibi_slopes), per_head(sinks))
+    if splits > 1:
+        n = jnp.clip(lens, 0, block_tables.shape[1] * block_size)
+        out, lse = _merge_splits(*outs, n, per_head(sinks))
+        out = out.astype(q.dtype)
+    else:
+        out, lse = outs
+    return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
+
+
+def decode_shape(q, k_cache, block_tables) -> DecodeShape:
+    """The static facts of a call that its kernel config depends on."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    return DecodeShape(batch=batch, num_kv_heads=kvh, group=num_heads // kvh, head_dim=head_dim,
+                       block_size=block_size, capacity=block_tables.shape[1] * block_size,
+                       cache_dtype=jnp.dtype(k_cache.dtype).name)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "logits_soft_cap", "sliding_window", "k_scale", "v_scale",
+                     "return_lse", "impl", "interpret", "config"))
+def decode(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    scale: float | None = None,
+    *,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
+    sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    return_lse: bool = False,
+    impl: str = "pallas",
+    interpret: bool | None = None,
+    config: DecodeConfig | None = None,
+):
+    """Paged decode attention: each sequence's single query over its cached K/V.
+
+    The semantics are `torch_ref.paged_decode_attention`'s (SPEC.md): sequence ``b`` has
+    ``n = context_lens[b]`` tokens in the first ``ceil(n / block_size)`` blocks of
+    ``block_tables[b]`` (the rest of the row is never read); query head ``h`` uses kv head
+    ``h // (num_heads // num_kv_heads)``; scores, softmax and the weighted sum are fp32 and the
+    output is cast once to ``q.dtype``; ``n == 0`` gives zeros. Optional, in this order:
+    ``s * scale`` -> soft-cap -> ALiBi -> sliding window -> softmax with sink.
+
+    Args:
+      q: ``[batch, num_heads, head_dim]``, fp32 / bf16 / fp16.
+      k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, fp32 / bf16 / fp16 /
+        float8_e4m3fn (then with ``k_scale`` / ``v_scale``).
+      block_tables: ``i32[batch, max_blocks]``.
+      context_lens: ``i32[batch]``.
+      scale: softmax scale, static; None means ``1 / sqrt(head_dim)``.
+      logits_soft_cap: static ``cap > 0``: ``s = cap * tanh(s / cap)``.
+      alibi_slopes: ``f32[num_heads]``: ``s += slope[h] * (p - (n - 1))``.
+      sliding_window: static ``W >= 1``: only the newest ``min(W, n)`` tokens; the kernel does not
+        read blocks wholly outside the window.
+      sinks: ``f32[num_heads]``, one extra logit per head in the softmax denominator.
+      k_scale, v_scale: static per-tensor dequantization scales of an fp8 cache.
+      return_lse: also return ``lse f32[batch, num_heads]`` (``-inf`` for ``n == 0``).
+      impl: ``"pallas"`` (the kernel) or ``"xla"`` (plain jnp, the readable reference).
+      interpret: Pallas interpret mode; None means exactly when there is no GPU backend.
+      config: kernel knobs (`DecodeConfig`); None takes the tuned table's entry for this shape
+        class, or the heuristic.
+
+    Returns:
+      ``out [batch, num_heads, head_dim]`` in ``q.dtype``, or ``(out, lse)`` with ``return_lse``.
+
+    Raises:
+      ValueError: at trace time, for wrong ranks, shapes or dtypes, ``num_heads % num_kv_heads``,
+        bad options or an unknown ``impl``. Values are not checked (they cannot raise under jit):
+        see `validate_decode_inputs` and the module docstring of `pallas_paged.validate`.
+    """
+    options = dict(scale=scale, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+                   sliding_window=sliding_window, sinks=sinks)
+    validate.static_validate_decode(q, k_cache, v_cache, block_tables, context_lens,
+                                    k_scale=k_scale, v_scale=v_scale, **options)
+    if impl not in DECODE_IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {DECODE_IMPLS}")
+    if config is not None and not isinstance(config, DecodeConfig):
+        raise ValueError(f"config must be a DecodeConfig or None, got {type(config).__name__}")
+    batch, num_heads, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    options.update(scale=scale, k_scale=k_scale, v_scale=v_scale)
+    if batch == 0:
+        out = jnp.zeros(q.shape, q.dtype)
+        lse = jnp.zeros((0, num_heads), jnp.float32)
+    elif impl == "xla":
+        out, lse = reference.decode_xla(q, k_cache, v_cache, block_tables, context_lens, **options)
+    else:
+        if config is None:
+            config = tuned.lookup(decode_shape(q, k_cache, block_tables), sm_count())
+        out, lse = _decode_pallas(q, k_cache, v_cache, block_tables, context_lens, config=config,
+                                  interpret=resolve_interpret(interpret), **options)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,218 @@
+"""Input validation, split as in JAX's ragged paged attention.
+
+- ``static_validate_*``: ranks, shapes, dtypes and option types. They read only ``.shape`` and
+  ``.dtype``, so they run at trace time and every implementation (XLA path, Pallas kernel, write)
+  calls them. Each raises ``ValueError`` with the shapes in the message.
+- ``validate_write_inputs`` / ``validate_decode_inputs``: the value checks (slots in range and
+  unique, block ids in range for the valid part of each table, lengths non-negative and within
+  capacity). They fetch the values to the host, so they are eager only; call them before a jitted
+  step when the inputs are not trusted.
+
+Under ``jax.jit`` values cannot raise. What happens instead, by construction of the kernels:
+
+- ``write_kv``: a slot ``< 0`` or ``>= num_blocks * block_size`` is dropped (nothing is written for
+  that token; ``-1`` is never wrapped to the last slot, and no slot is clipped onto another). When two
+  tokens share a slot, one of them wins; which one is unspecified.
+- ``decode``: a length below 0 counts as 0 and one above ``max_blocks * block_size`` as that
+  capacity; a block id outside ``[0, num_blocks)`` in the valid part of a table is clamped into
+  that range (the read stays inside the cache, the output for that sequence is meaningless).
+  Table entries past ``ceil(n / block_size)`` are never read at all.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn)
+QUERY_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+FP8_DTYPE = jnp.float8_e4m3fn
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(int(d) for d in x.shape)
+
+
+def _dtype(x):
+    return jnp.dtype(x.dtype)
+
+
+def _check_rank(name: str, x, ndim: int) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    if len(x.shape) != ndim:
+        raise ValueError(f"{name} must have rank {ndim}, got {name}.shape={_shape(x)}")
+
+
+def _check_int(name: str, x) -> None:
+    if not jnp.issubdtype(_dtype(x), jnp.signedinteger):
+        raise ValueError(f"{name} must be int32 (int64 accepted), got {name}.dtype={_dtype(x)}")
+
+
+def _check_positive_float(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a python float, got {type(value).__name__}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value} must be finite and > 0")
+
+
+def static_validate_caches(k_cache, v_cache) -> None:
+    _check_rank("k_cache", k_cache, 4)
+    _check_rank("v_cache", v_cache, 4)
+    if _shape(k_cache) != _shape(v_cache):
+        raise ValueError(
+            f"k_cache and v_cache must have the same shape, got {k_cache.shape=} and {v_cache.shape=}")
+    if _dtype(k_cache) != _dtype(v_cache):
+        raise ValueError(f"k_cache and v_cache must have the same dtype, got {k_cache.dtype=} and {v_cache.dtype=}")
+    if _dtype(k_cache) not in [jnp.dtype(d) for d in CACHE_DTYPES]:
+        raise ValueError(f"{k_cache.dtype=} must be float32, bfloat16, float16 or float8_e4m3fn")
+    if min(_shape(k_cache)) < 1:
+        raise ValueError(f"{k_cache.shape=} must have every dimension >= 1")
+
+
+def static_validate_fp8_scales(cache_dtype, k_scale, v_scale) -> None:
+    """fp8 caches need both per-tensor scales (python floats > 0); other caches take none."""
+    if jnp.dtype(cache_dtype) == jnp.dtype(FP8_DTYPE):
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if s is None:
+                raise ValueError(f"{name} is required for a float8_e4m3fn cache")
+            _check_positive_float(name, s)
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(
+            f"k_scale / v_scale apply to float8_e4m3fn caches only, got a {jnp.dtype(cache_dtype)}"
+            f" cache with {k_scale=}, {v_scale=}")
+
+
+def static_validate_write(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None) -> None:
+    static_validate_caches(k_cache, v_cache)
+    _check_rank("k", k, 3)
+    _check_rank("v", v, 3)
+    _check_rank("slot_mapping", slot_mapping, 1)
+    _, _, kvh, d = _shape(k_cache)
+    num_tokens = _shape(slot_mapping)[0]
+    for name, x in (("k", k), ("v", v)):
+        if _shape(x) != (num_tokens, kvh, d):
+            raise ValueError(
+                f"{name}.shape={_shape(x)} must be [num_tokens, num_kv_heads, head_dim] ="
+                f" {(num_tokens, kvh, d)} ({slot_mapping.shape=}, {k_cache.shape=})")
+    static_validate_fp8_scales(k_cache.dtype, k_scale, v_scale)
+    for name, x in (("k", k), ("v", v)):
+        if _dtype(k_cache) == jnp.dtype(FP8_DTYPE):
+            if _dtype(x) not in [jnp.dtype(t) for t in QUERY_DTYPES]:
+                raise ValueError(f"{name}.dtype={_dtype(x)} must be float32, bfloat16 or float16 for an fp8 cache")
+        elif _dtype(x) != _dtype(k_cache):
+            raise ValueError(f"{name}.dtype={_dtype(x)} must equal {k_cache.dtype=}")
+    _check_int("slot_mapping", slot_mapping)
+
+
+def static_validate_options(num_heads: int, *, scale=None, logits_soft_cap=None, alibi_slopes=None,
+                            sliding_window=None, sinks=None) -> None:
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise ValueError(f"scale must be a finite python float or None, got {scale!r}")
+    if logits_soft_cap is not None:
+        _check_positive_float("logits_soft_cap", logits_soft_cap)
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+            raise ValueError(f"sliding_window must be a python int, got {type(sliding_window).__name__}")
+        if sliding_window < 1:
+            raise ValueError(f"{sliding_window=} must be >= 1")
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is None:
+            continue
+        _check_rank(name, x, 1)
+        if _shape(x) != (num_heads,):
+            raise ValueError(f"{name}.shape={_shape(x)} must be [num_heads] = ({num_heads},)")
+        if _dtype(x) != jnp.dtype(jnp.float32):
+            raise ValueError(f"{name}.dtype={_dtype(x)} must be float32")
+
+
+def static_validate_decode(q, k_cache, v_cache, block_tables, context_lens, *, k_scale=None,
+                           v_scale=None, **options) -> None:
+    """Trace-time checks of `decode`'s arguments; ``options`` are its extension keywords + scale."""
+    static_validate_caches(k_cache, v_cache)
+    _check_rank("q", q, 3)
+    _check_rank("block_tables", block_tables, 2)
+    _check_rank("context_lens", context_lens, 1)
+    if _dtype(q) not in [jnp.dtype(t) for t in QUERY_DTYPES]:
+        raise ValueError(f"{q.dtype=} must be float32, bfloat16 or float16")
+    batch, num_heads, head_dim = _shape(q)
+    _, _, kvh, d = _shape(k_cache)
+    if head_dim != d:
+        raise ValueError(f"head_dim mismatch: {q.shape=} but {k_cache.shape=}")
+    if num_heads % kvh != 0:
+        raise ValueError(
+            f"num_heads must be a multiple of num_kv_heads: {q.shape=} has {num_heads} heads,"
+            f" {k_cache.shape=} has {kvh} kv heads")
+    if _shape(block_tables)[0] != batch:
+        raise ValueError(f"batch mismatch: {q.shape=} but {block_tables.shape=}")
+    if _shape(context_lens) != (batch,):
+        raise ValueError(f"{context_lens.shape=} must be [batch] = ({batch},) ({q.shape=})")
+    _check_int("block_tables", block_tables)
+    _check_int("context_lens", context_lens)
+    static_validate_fp8_scales(k_cache.dtype, k_scale, v_scale)
+    static_validate_options(num_heads, **options)
+
+
+def _first(mask: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.argwhere(mask)[0])
+
+
+def validate_write_inputs(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Eager checks of `write_kv`'s arguments: the static checks, then slot values.
+
+    Raises:
+      ValueError: a slot ``< -1`` or ``>= num_blocks * block_size``, or a slot used by two tokens,
+        naming the first offending token index; or any static check.
+    """
+    static_validate_write(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
+    num_blocks, block_size = _shape(k_cache)[:2]
+    num_slots = num_blocks * block_size
+    slots = np.asarray(slot_mapping).astype(np.int64)
+    bad = (slots < -1) | (slots >= num_slots)
+    if bad.any():
+        (i,) = _first(bad)
+        raise ValueError(
+            f"slot_mapping[{i}]={slots[i]} is out of range: slots must be -1 (padding) or in"
+            f" [0, num_blocks * block_size) = [0, {num_slots})")
+    token_ids = np.flatnonzero(slots >= 0)
+    _, first_use = np.unique(slots[token_ids], return_index=True)
+    if len(first_use) < len(token_ids):
+        repeated = np.ones(len(token_ids), bool)
+        repeated[first_use] = False
+        i = int(token_ids[np.argmax(repeated)])
+        raise ValueError(f"slot_mapping[{i}]={slots[i]} is a duplicate: every slot may be written by one token only")
+
+
+def validate_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, *, k_scale=None,
+                           v_scale=None, **options) -> None:
+    """Eager checks of `decode`'s arguments: the static checks, then lengths and block ids.
+
+    Raises:
+      ValueError: a negative length, a length beyond ``max_blocks * block_size``, or a block id
+        outside ``[0, num_blocks)`` among the first ``ceil(n / block_size)`` entries of a row
+        (entries past those are garbage by contract and not checked); or any static check.
+    """
+    static_validate_decode(q, k_cache, v_cache, block_tables, context_lens, k_scale=k_scale,
+                           v_scale=v_scale, **options)
+    num_blocks, block_size = _shape(k_cache)[:2]
+    lens = np.asarray(context_lens).astype(np.int64)
+    tables = np.asarray(block_tables).astype(np.int64)
+    if (lens < 0).any():
+        (b,) = _first(lens < 0)
+        raise ValueError(f"context_lens[{b}]={lens[b]} must be >= 0")
+    capacity = tables.shape[1] * block_size
+    if (lens > capacity).any():
+        (b,) = _first(lens > capacity)
+        raise ValueError(
+            f"context_lens[{b}]={lens[b]} exceeds the table's capacity max_blocks * block_size ="
+            f" {tables.shape[1]} * {block_size} = {capacity}")
+    used = np.arange(tables.shape[1])[None, :] < -(-lens // block_size)[:, None]
+    bad = used & ((tables < 0) | (tables >= num_blocks))
+    if bad.any():
+        b, i = _first(bad)
+        raise ValueError(
+            f"block_tables[{b}, {i}]={tables[b, i]} is outside [0, num_blocks) = [0, {num_blocks})"
+            f" in the valid part of row {b} (context_lens[{b}]={lens[b]})")
