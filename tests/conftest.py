@@ -1,0 +1,41 @@
+"""Shared test setup: GPU detection and per-test random generators.
+
+The same test files run on CPU (Pallas in interpret mode) and on a GPU (the compiled kernel).
+Tests marked ``gpu`` need a GPU visible to JAX and are skipped cleanly without one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+# torch and JAX may share one GPU in a test process: keep JAX from taking 75% of it up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(__file__))  # tests/ helpers (paged_inputs, oracle)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if ON_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a GPU visible to JAX")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A generator seeded from the test's id: fresh inputs per case, reproducible per test."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session")
+def on_gpu() -> bool:
+    return ON_GPU

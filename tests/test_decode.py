@@ -1,0 +1,323 @@
+"""`pallas_paged.decode` (both impls) against `torch_ref`, and the SPEC invariants I2-I7.
+
+On CPU the Pallas kernel runs in interpret mode; on a GPU the same tests run the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import pallas_paged as pp
+import torch_ref
+from paged_inputs import make_paged, to_numpy, to_torch
+
+IMPLS = ("xla", "pallas")
+# Max abs error against torch_ref on the same inputs, outputs of order 1. bf16/fp16: one rounding
+# of the output plus the softmax weights rounded to the input dtype for the tensor-core dot.
+ATOL = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 3e-3, "float8_e4m3fn": 2e-2}
+SPLIT_CONFIGS = (
+    pp.DecodeConfig(block_k=16, num_splits=1),
+    pp.DecodeConfig(block_k=16, num_splits=3),
+    pp.DecodeConfig(block_k=32, num_splits=2),
+    pp.DecodeConfig(block_k=16, num_splits=7),
+)
+
+
+def run_jax(paged, impl, config=None, **kwargs):
+    out = pp.decode(*paged.jax(), impl=impl, config=config, **_jax_options(kwargs))
+    if kwargs.get("return_lse"):
+        return to_numpy(out[0]).astype(np.float32), to_numpy(out[1])
+    return to_numpy(out).astype(np.float32)
+
+
+def run_torch(paged, **kwargs):
+    out = torch_ref.paged_decode_attention(*paged.torch(), **_torch_options(kwargs))
+    if kwargs.get("return_lse"):
+        return to_numpy(out[0]).astype(np.float32), to_numpy(out[1])
+    return to_numpy(out).astype(np.float32)
+
+
+def _jax_options(kwargs):
+    return {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+
+
+def _torch_options(kwargs):
+    return {k: to_torch(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+
+
+def assert_matches_torch(paged, impl, dtype, config=None, **kwargs):
+    expected = run_torch(paged, **kwargs)
+    got = run_jax(paged, impl, config, **kwargs)
+    if kwargs.get("return_lse"):
+        (got, got_lse), (expected, expected_lse) = got, expected
+        np.testing.assert_allclose(got_lse, expected_lse, atol=1e-4, rtol=1e-5)
+    assert np.isfinite(got).all(), "NaN or Inf in the output"
+    np.testing.assert_allclose(got, expected, atol=ATOL[dtype], rtol=0)
+    return got
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_matches_torch_ref(rng, impl, dtype):
+    paged = make_paged(rng, lens=[37, 0, 1, 16, 17, 15, 64], num_heads=8, num_kv_heads=2,
+                       head_dim=64, block_size=16, dtype=dtype)
+    assert_matches_torch(paged, impl, dtype)
+
+
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=str)
+def test_split_configs_match_torch_ref(rng, config):
+    paged = make_paged(rng, lens=[100, 0, 1, 33, 64, 7], num_heads=6, num_kv_heads=2,
+                       head_dim=32, block_size=8, dtype="float32")
+    assert_matches_torch(paged, "pallas", "float32", config=config)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
+def test_head_dims(rng, impl, head_dim):
+    paged = make_paged(rng, lens=[19, 5], num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                       block_size=8, dtype="bfloat16")
+    assert_matches_torch(paged, impl, "bfloat16")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("block_size", [1, 3, 5, 12, 16, 64])
+def test_block_sizes(rng, impl, block_size):
+    lens = [1, block_size - 1, block_size, block_size + 1, 2 * block_size + 3]
+    paged = make_paged(rng, lens=[max(n, 0) for n in lens], num_heads=4, num_kv_heads=1,
+                       head_dim=32, block_size=block_size, dtype="float32")
+    assert_matches_torch(paged, impl, "float32",
+                         config=pp.DecodeConfig(block_k=16, num_splits=2) if impl == "pallas" else None)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 2), (8, 1), (16, 2)])
+def test_gqa_ratios(rng, impl, num_heads, num_kv_heads):
+    paged = make_paged(rng, lens=[23, 9], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_dim=32, block_size=4)
+    assert_matches_torch(paged, impl, "float32")
+
+
+# --- SPEC invariants ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_i2_table_tail_is_never_read(rng, impl):
+    paged = make_paged(rng, lens=[5, 0, 9, 12], block_size=4, max_blocks=6, tail=(0,))
+    clean = run_jax(paged, impl)
+    for garbage in (99999, -7, 2**30, -(2**31)):
+        tables = paged.block_tables.copy()
+        used = np.arange(tables.shape[1])[None, :] < -(-paged.context_lens // 4)[:, None]
+        tables[~used] = garbage
+        out = pp.decode(*paged.jax(block_tables=tables), impl=impl)
+        np.testing.assert_array_equal(to_numpy(out), clean)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 8, 13])
+def test_i3_exactly_n_rows_enter(rng, impl, n):
+    """n not a multiple of bs, n = 1, n = bs: only the first n rows count."""
+    paged = make_paged(rng, lens=[n], block_size=4, fill=1e4)  # a huge value would dominate
+    assert_matches_torch(paged, impl, "float32")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_i4_paged_equals_dense(rng, impl):
+    paged = make_paged(rng, lens=[11, 16, 1, 30], block_size=4, spare_blocks=10)
+    out = run_jax(paged, impl)
+    k, v = torch.zeros(4, 32, 2, 32), torch.zeros(4, 32, 2, 32)
+    for b, n in enumerate(paged.context_lens):
+        for pos in range(n):
+            block = paged.block_tables[b, pos // 4]
+            k[b, pos] = torch.from_numpy(paged.k_cache[block, pos % 4])
+            v[b, pos] = torch.from_numpy(paged.v_cache[block, pos % 4])
+    dense = torch_ref.dense_decode_attention(torch.from_numpy(paged.q), k, v,
+                                             torch.from_numpy(paged.context_lens))
+    np.testing.assert_allclose(out, dense.numpy(), atol=ATOL["float32"], rtol=0)
+
+
+def numpy_attention(paged, kv_head_of):
+    """float64 attention with an explicit head mapping ``kv_head_of(h)``."""
+    _, num_heads, head_dim = paged.q.shape
+    block_size = paged.k_cache.shape[1]
+    out = np.zeros(paged.q.shape)
+    for b, n in enumerate(paged.context_lens):
+        rows = [paged.block_tables[b, p // block_size] * block_size + p % block_size for p in range(n)]
+        k = paged.k_cache.reshape(-1, *paged.k_cache.shape[2:])[rows].astype(np.float64)
+        v = paged.v_cache.reshape(-1, *paged.v_cache.shape[2:])[rows].astype(np.float64)
+        for h in range(num_heads):
+            s = k[:, kv_head_of(h)] @ paged.q[b, h].astype(np.float64) / np.sqrt(head_dim)
+            w = np.exp(s - s.max())
+            out[b, h] = w @ v[:, kv_head_of(h)] / w.sum()
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("num_heads", [4, 8])
+def test_i5_gqa_is_repeat_interleave(rng, impl, num_heads):
+    paged = make_paged(rng, lens=[9, 14], num_heads=num_heads, num_kv_heads=2)
+    out = assert_matches_torch(paged, impl, "float32")
+    group = num_heads // 2
+    np.testing.assert_allclose(out, numpy_attention(paged, lambda h: h // group), atol=1e-5)
+    # `repeat` (h -> h % KVH) gives a clearly different answer on these inputs.
+    assert np.abs(out - numpy_attention(paged, lambda h: h % 2)).max() > 1e-2
+
+
+def make_paged_like(paged, **overrides):
+    return dataclasses.replace(paged, **overrides)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fill", [np.nan, np.inf, -np.inf])
+def test_i6_poisoned_unused_slots_change_nothing(rng, impl, fill):
+    state = rng.bit_generator.state
+    poisoned = make_paged(rng, lens=[7, 0, 12, 3], block_size=4, fill=fill)
+    rng.bit_generator.state = state
+    clean = make_paged(rng, lens=[7, 0, 12, 3], block_size=4, fill=0.0)
+    out = run_jax(poisoned, impl)
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out, run_jax(clean, impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_i7_zero_length_rows(rng, impl):
+    paged = make_paged(rng, lens=[0, 9, 0, 4], block_size=4)
+    out, lse = run_jax(paged, impl, return_lse=True)
+    assert (out[[0, 2]] == 0).all() and np.isneginf(lse[[0, 2]]).all()
+    alone = make_paged_like(paged, q=paged.q[[1, 3]], block_tables=paged.block_tables[[1, 3]],
+                            context_lens=paged.context_lens[[1, 3]])
+    np.testing.assert_allclose(out[[1, 3]], run_jax(alone, impl), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_all_rows_zero_length(rng, impl):
+    paged = make_paged(rng, lens=[0, 0], block_size=4, max_blocks=2)
+    assert (run_jax(paged, impl) == 0).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_out_of_range_ids_in_valid_part_are_clamped(rng, impl):
+    """Under jit a bad id inside the valid part reads a clamped block: never outside the cache."""
+    paged = make_paged(rng, lens=[9, 12], block_size=4, fill=0.0)
+    num_blocks = paged.k_cache.shape[0]
+    tables = paged.block_tables.copy()
+    tables[0, 1], tables[1, 0], tables[1, 2] = 2**30, -5, num_blocks
+    out = pp.decode(*paged.jax(block_tables=tables), impl=impl)
+    clamped = pp.decode(*paged.jax(block_tables=np.clip(tables, 0, num_blocks - 1)), impl=impl)
+    np.testing.assert_array_equal(to_numpy(out), to_numpy(clamped))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_lengths_out_of_range_are_clamped_under_jit(rng, impl):
+    paged = make_paged(rng, lens=[8, 4], block_size=4, fill=0.0)
+    lens = np.array([-3, 100], np.int32)  # capacity is 2 blocks * 4 = 8
+    out = to_numpy(pp.decode(*paged.jax(context_lens=lens), impl=impl))
+    expected = to_numpy(pp.decode(*paged.jax(context_lens=np.array([0, 8], np.int32)), impl=impl))
+    np.testing.assert_array_equal(out, expected)
+
+
+# --- precision, scale, dtypes ------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp32_is_fp32_accurate(rng, impl):
+    """No silent TF32: against a float64 computation, fp32 inputs give ~1e-6 errors (TF32 ~1e-3)."""
+    paged = make_paged(rng, lens=[200, 77], num_heads=4, num_kv_heads=1, head_dim=64,
+                       block_size=16, fill=0.0)
+    paged.q *= 4  # sharper softmax: rounding of the scores shows
+    q = torch.from_numpy(paged.q).double()
+    expected = []
+    for b, n in enumerate(paged.context_lens):
+        rows = [paged.block_tables[b, p // 16] * 16 + p % 16 for p in range(n)]
+        k = torch.from_numpy(paged.k_cache.reshape(-1, 1, 64)[rows, 0]).double()
+        v = torch.from_numpy(paged.v_cache.reshape(-1, 1, 64)[rows, 0]).double()
+        w = torch.softmax(q[b] @ k.T / 8.0, dim=-1)
+        expected.append((w @ v).numpy())
+    out = run_jax(paged, impl)
+    assert np.abs(out - np.stack(expected)).max() < 5e-6
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_explicit_scale(rng, impl):
+    paged = make_paged(rng, lens=[10, 3], block_size=4)
+    assert_matches_torch(paged, impl, "float32", scale=0.37)
+    default = run_jax(paged, impl)
+    np.testing.assert_allclose(default, run_jax(paged, impl, scale=1 / np.sqrt(32)), atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_int64_tables_and_lengths(rng, impl):
+    paged = make_paged(rng, lens=[10, 3], block_size=4)
+    out = pp.decode(*paged.jax(block_tables=paged.block_tables.astype(np.int64),
+                               context_lens=paged.context_lens.astype(np.int64)), impl=impl)
+    np.testing.assert_array_equal(to_numpy(out), run_jax(paged, impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_output_dtype_follows_q(rng, impl):
+    for dtype in ("float32", "bfloat16", "float16"):
+        paged = make_paged(rng, lens=[5], dtype=dtype)
+        out = pp.decode(*paged.jax(), impl=impl)
+        assert out.dtype == jnp.dtype(dtype) and out.shape == paged.q.shape
+
+
+def test_empty_batch():
+    q = jnp.zeros((0, 4, 32), jnp.float32)
+    cache = jnp.zeros((3, 4, 2, 32), jnp.float32)
+    out = pp.decode(q, cache, cache, jnp.zeros((0, 2), jnp.int32), jnp.zeros((0,), jnp.int32))
+    assert out.shape == (0, 4, 32)
+
+
+# --- jit, interpret, and proof that the kernel runs ----------------------------------------------
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_usable_inside_user_jit(rng, impl):
+    paged = make_paged(rng, lens=[6, 11], block_size=4)
+
+    @jax.jit
+    def step(q, k_cache, v_cache, tables, lens):
+        return pp.decode(q, k_cache, v_cache, tables, lens, impl=impl) * 2
+
+    np.testing.assert_allclose(to_numpy(step(*paged.jax())), 2 * run_jax(paged, impl), atol=1e-6)
+
+
+def _lowered_text(platform: str, impl: str) -> str:
+    q = jax.ShapeDtypeStruct((2, 8, 64), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((40, 16, 2, 64), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+    fn = functools.partial(pp.decode, impl=impl, interpret=False)
+    traced = jax.jit(fn).trace(q, cache, cache, tables, lens)
+    return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_pallas_impl_lowers_to_the_triton_kernel():
+    """Lowered for CUDA (works without a GPU), impl="pallas" is a Triton call of our kernel."""
+    text = _lowered_text("cuda", "pallas")
+    assert "__gpu$xla.gpu.triton" in text
+    assert "pallas_paged_decode" in text
+
+
+def test_xla_impl_has_no_kernel():
+    text = _lowered_text("cuda", "xla")
+    assert "xla.gpu.triton" not in text and "pallas_paged_decode" not in text
+
+
+def test_interpret_default_follows_the_backend(rng, on_gpu):
+    from pallas_paged.platform import resolve_interpret
+    assert resolve_interpret(None) is (not on_gpu)
+    assert resolve_interpret(True) is True and resolve_interpret(False) is False
+
+
+@pytest.mark.gpu
+def test_compiled_kernel_runs_on_gpu(rng):
+    """On a GPU the default is the compiled Triton kernel, and its HLO says so."""
+    paged = make_paged(rng, lens=[33, 7], block_size=16, dtype="bfloat16", num_heads=8)
+    args = paged.jax()
+    text = jax.jit(functools.partial(pp.decode, impl="pallas")).lower(*args).compile().as_text()
+    assert "pallas_paged_decode" in text
+    assert_matches_torch(paged, "pallas", "bfloat16")
