@@ -182,6 +182,7 @@ def check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, scale, 
     check_query(q, d, kvh)
     check_tensor("block_tables", block_tables, 2)
     check_index_dtype("block_tables", block_tables)
+    check_tensor("context_lens", context_lens, 1)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                       context_lens=context_lens)
     batch = q.shape[0]
@@ -220,6 +221,7 @@ def check_dense_inputs(q, k, v, context_lens, scale, options: dict) -> None:
         raise ValueError(f"k.dtype={k.dtype} and v.dtype={v.dtype} must be one of {QUERY_DTYPES} and equal")
     batch, max_len, kvh, d = k.shape
     check_query(q, d, kvh)
+    check_tensor("context_lens", context_lens, 1)
     check_same_device(q=q, k=k, v=v, context_lens=context_lens)
     if q.shape[0] != batch:
         raise ValueError(f"batch mismatch: q.shape={tuple(q.shape)} but k.shape={tuple(k.shape)}")
