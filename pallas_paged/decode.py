@@ -54,6 +54,27 @@ def _dot_nn(a, b):
                                preferred_element_type=jnp.float32)
 
 
+def tile_range(n, split, *, block_k: int, num_splits: int, window: int | None):
+    """The tiles one program walks: ``[tile_lo, tile_hi)`` of ``block_k`` tokens each.
+
+    A sequence of ``n`` tokens has tiles ``first // block_k .. ceil(n / block_k) - 1``, where
+    ``first = max(n - window, 0)`` is the oldest position inside the sliding window (0 without
+    one): tiles wholly outside the window, and tiles past ``n``, are never visited, so their pages
+    are never read. Split ``split`` of ``num_splits`` takes an equal contiguous share; a share may
+    be empty (``tile_lo >= tile_hi``).
+
+    Returns:
+      ``(first, tile_lo, tile_hi)`` as int32 scalars.
+    """
+    first = jnp.int32(0) if window is None else jnp.maximum(n - window, 0)
+    tile_lo, tile_hi = first // block_k, (n + block_k - 1) // block_k
+    if num_splits > 1:
+        per_split = (tile_hi - tile_lo + num_splits - 1) // num_splits
+        tile_lo = tile_lo + split * per_split
+        tile_hi = jnp.minimum(tile_lo + per_split, tile_hi)
+    return first, tile_lo, tile_hi
+
+
 def _paged_decode_kernel(
     lens_ref,    # i32[batch]
     tables_ref,  # i32[batch, max_blocks]
@@ -83,12 +104,8 @@ def _paged_decode_kernel(
     capacity = tables_ref.shape[1] * block_size
 
     n = jnp.clip(lens_ref[b], 0, capacity)
-    first = jnp.int32(0) if window is None else jnp.maximum(n - window, 0)
-    tile_lo, tile_hi = first // block_k, (n + block_k - 1) // block_k
-    if num_splits > 1:
-        per_split = (tile_hi - tile_lo + num_splits - 1) // num_splits
-        tile_lo = tile_lo + split * per_split
-        tile_hi = jnp.minimum(tile_lo + per_split, tile_hi)
+    first, tile_lo, tile_hi = tile_range(n, split, block_k=block_k, num_splits=num_splits,
+                                         window=window)
 
     rows = jnp.arange(padded_group)  # [Gp]
     cols = jnp.arange(padded_dim)    # [Dp]

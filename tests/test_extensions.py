@@ -1,0 +1,121 @@
+"""The SPEC extensions in both JAX impls against `torch_ref`: soft-cap, ALiBi, sliding window,
+sinks, fp8 KV cache, return_lse."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_paged as pp
+from pallas_paged.decode import tile_range
+from paged_inputs import make_paged
+from test_decode import IMPLS, assert_matches_torch, run_jax
+
+SPLITS = (pp.DecodeConfig(block_k=16, num_splits=1), pp.DecodeConfig(block_k=16, num_splits=3))
+
+
+def options(rng, num_heads, which):
+    every = dict(logits_soft_cap=3.0,
+                 alibi_slopes=(2.0 ** -np.arange(1, num_heads + 1)).astype(np.float32),
+                 sliding_window=7,
+                 sinks=rng.standard_normal(num_heads).astype(np.float32))
+    return every if which == "all" else {which: every[which]}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("which", ["logits_soft_cap", "alibi_slopes", "sliding_window", "sinks", "all"])
+@pytest.mark.parametrize("config", SPLITS, ids=["one_split", "three_splits"])
+def test_option_matches_torch_ref(rng, impl, which, config):
+    paged = make_paged(rng, lens=[29, 0, 1, 5, 16, 33], num_heads=6, num_kv_heads=2,
+                       block_size=5, head_dim=32)
+    assert_matches_torch(paged, impl, "float32", config=config if impl == "pallas" else None,
+                         return_lse=True, **options(rng, 6, which))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("window", [1, 4, 5, 9, 1000])
+def test_sliding_window_sizes(rng, impl, window):
+    paged = make_paged(rng, lens=[1, 4, 5, 23, 40], block_size=4)
+    assert_matches_torch(paged, impl, "float32", sliding_window=window)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_sliding_window_ignores_poisoned_blocks_outside_it(rng, impl):
+    """Whole blocks before the window may hold NaN: they are not read."""
+    paged = make_paged(rng, lens=[40, 17], block_size=4, fill=0.0)
+    k_cache, v_cache = paged.k_cache.copy(), paged.v_cache.copy()
+    for b, n in enumerate(paged.context_lens):
+        first = max(n - 6, 0)
+        for page in range(first // 4):
+            k_cache[paged.block_tables[b, page]] = np.nan
+            v_cache[paged.block_tables[b, page]] = np.nan
+    out = pp.decode(*paged.jax(k_cache=k_cache, v_cache=v_cache), impl=impl, sliding_window=6)
+    np.testing.assert_array_equal(np.asarray(out), run_jax(paged, impl, sliding_window=6))
+
+
+@pytest.mark.parametrize("block_k,num_splits,window", list(itertools.product(
+    [16, 64], [1, 2, 3, 8], [None, 1, 16, 17, 100])))
+def test_kernel_visits_only_tiles_inside_the_window(block_k, num_splits, window):
+    """The kernel's loop bounds: every tile holding a token of ``[first, n)``, and no other."""
+    for n in [0, 1, 15, 16, 17, 64, 65, 300]:
+        first = 0 if window is None else max(n - window, 0)
+        wanted = set(range(first // block_k, -(-n // block_k)))
+        visited = []
+        for split in range(num_splits):
+            _, lo, hi = tile_range(jnp.int32(n), jnp.int32(split), block_k=block_k,
+                                   num_splits=num_splits, window=window)
+            visited += list(range(int(lo), int(hi)))
+        assert sorted(visited) == sorted(wanted), (n, first)  # each wanted tile exactly once
+        for tile in visited:  # no tile lies wholly outside [first, n)
+            assert tile * block_k < n and (tile + 1) * block_k > first
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_soft_cap_does_not_overflow(rng, impl):
+    paged = make_paged(rng, lens=[12, 3], block_size=4)
+    paged.q *= 1e4  # scores of order 1e4 / sqrt(32)
+    out = assert_matches_torch(paged, impl, "float32", logits_soft_cap=5.0)
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_sinks_with_zero_length_rows(rng, impl):
+    paged = make_paged(rng, lens=[0, 6], block_size=4)
+    sinks = np.array([5.0, -3.0, 0.0, 20.0], np.float32)
+    out, lse = run_jax(paged, impl, sinks=sinks, return_lse=True)
+    assert (out[0] == 0).all() and np.isneginf(lse[0]).all()
+    assert np.isfinite(out[1]).all() and np.isfinite(lse[1]).all()
+    assert_matches_torch(paged, impl, "float32", sinks=sinks, return_lse=True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("q_dtype", ["bfloat16", "float16", "float32"])
+def test_fp8_cache(rng, impl, q_dtype):
+    paged = make_paged(rng, lens=[30, 0, 7, 16], num_heads=8, num_kv_heads=2, block_size=8,
+                       dtype="float8_e4m3fn", q_dtype=q_dtype, head_dim=64)
+    out = assert_matches_torch(paged, impl, "float8_e4m3fn", k_scale=0.5, v_scale=2.0,
+                               return_lse=True)
+    assert out.dtype == np.float32  # converted for comparison; the impl returns q.dtype
+    got = pp.decode(*paged.jax(), impl=impl, k_scale=0.5, v_scale=2.0)
+    assert got.dtype == jnp.dtype(q_dtype)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp8_cache_with_every_option(rng, impl):
+    paged = make_paged(rng, lens=[21, 3, 0], num_heads=4, num_kv_heads=2, block_size=4,
+                       dtype="float8_e4m3fn")
+    assert_matches_torch(paged, impl, "float8_e4m3fn", k_scale=0.25, v_scale=0.75,
+                         return_lse=True, **options(rng, 4, "all"))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_return_lse_shape_and_values(rng, impl):
+    paged = make_paged(rng, lens=[9, 0, 4], num_heads=4, num_kv_heads=2, block_size=4)
+    out, lse = pp.decode(*paged.jax(), impl=impl, return_lse=True)
+    assert lse.shape == (3, 4) and lse.dtype == jnp.float32
+    assert np.isneginf(np.asarray(lse)[1]).all()
+    assert_matches_torch(paged, impl, "float32", return_lse=True)
+
