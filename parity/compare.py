@@ -1,0 +1,412 @@
+"""Run a case through torch_ref and every JAX impl, and judge each output.
+
+One case is one model-runner step, done the same way by every implementation: write the new tokens
+into the cache (`write_kv`), then decode attention over the cache *that implementation wrote*.
+The judgements:
+
+- ``k_cache`` / ``v_cache`` (the caches after the write): bit-exact against the numpy expectation
+  (`parity.cases.apply_write`), torch_ref included, so "every row passes" means every
+  implementation stores the same bits as the spec and as each other;
+- ``out`` (and ``lse`` with ``return_lse``): within `parity.tolerance`'s bound of the float64 truth,
+  torch_ref included; the largest difference from torch_ref's own output is recorded beside it.
+  Zero-length rows must be exactly 0 (``lse == -inf``), and dtypes and shapes must be right.
+
+An implementation that raises is a failed check carrying the exception, not a crashed sweep.
+
+`case_outputs` returns the raw arrays (for plots); `judge` turns them into a `CaseResult`;
+`run_case` is both; `run_suite` runs many with a progress callback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+import pallas_paged
+import torch_ref
+from parity import convert, tolerance
+from parity.cases import Case, apply_write, make_inputs
+from parity.tolerance import Tolerance
+
+__all__ = [
+    "IMPLS",
+    "Check",
+    "CaseResult",
+    "SuiteResult",
+    "case_outputs",
+    "judge",
+    "run_case",
+    "run_suite",
+]
+
+IMPLS = ("xla", "pallas")
+WRITE_OUTPUTS = ("k_cache", "v_cache")
+_ARRAY_OPTIONS = ("alibi_slopes", "sinks")
+
+
+@dataclasses.dataclass
+class Check:
+    """The verdict on one output of one implementation.
+
+    Attributes:
+      output: ``"k_cache"``, ``"v_cache"`` (the write), ``"out"`` or ``"lse"`` (the decode).
+      impl: ``"torch"`` (torch_ref), ``"xla"`` or ``"pallas"``.
+      passed: the verdict.
+      max_abs_err: ``max |got - expected|`` (writes: over differing elements; NaN vs a number is
+        ``inf``); decode outputs against the float64 truth.
+      max_rel_err: ``max_abs_err`` over the output's scale (``max |truth|``; 0 when both are 0).
+      tolerance: the bound on ``max_abs_err``; 0 for the bit-exact writes.
+      mismatches: elements that differ in their bits (writes) or exceed the tolerance (decode).
+      vs_torch: ``max |got - torch_ref|`` for decode outputs of the JAX impls, else None.
+      detail: what went wrong, in words (first differing element, exception, bad dtype...).
+    """
+
+    output: str
+    impl: str
+    passed: bool
+    max_abs_err: float
+    max_rel_err: float
+    tolerance: float
+    mismatches: int = 0
+    vs_torch: float | None = None
+    detail: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.output}[{self.impl}]"
+
+    @property
+    def ratio(self) -> float:
+        """``max_abs_err / tolerance``: <= 1 passes; 0 / 0 is 0 and x / 0 is inf."""
+        if self.max_abs_err == 0:
+            return 0.0 if self.passed else math.inf
+        if self.tolerance == 0:
+            return math.inf
+        return self.max_abs_err / self.tolerance
+
+    def to_dict(self) -> dict:
+        return dict(dataclasses.asdict(self), label=self.label, ratio=self.ratio)
+
+
+@dataclasses.dataclass
+class CaseResult:
+    """Every check of one case, the tolerances used, timings (seconds) and exceptions."""
+
+    case: Case
+    device: str
+    checks: list[Check]
+    tolerances: dict[str, Tolerance]
+    timings: dict[str, float]
+    errors: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if not c.passed]
+
+    def check(self, output: str, impl: str) -> Check:
+        for c in self.checks:
+            if (c.output, c.impl) == (output, impl):
+                return c
+        raise KeyError(f"no check {output}[{impl}] in case {self.case.name!r}")
+
+    def worst(self, output: str) -> Check | None:
+        """The check of ``output`` with the largest error/tolerance ratio (failures first)."""
+        checks = [c for c in self.checks if c.output == output]
+        if not checks:
+            return None
+        return max(checks, key=lambda c: (not c.passed, c.ratio))
+
+    def to_dict(self) -> dict:
+        return dict(
+            case=dataclasses.asdict(self.case),
+            device=self.device,
+            passed=self.passed,
+            checks=[c.to_dict() for c in self.checks],
+            tolerances={k: t.to_dict() for k, t in self.tolerances.items()},
+            timings=self.timings,
+            errors=self.errors,
+        )
+
+
+@dataclasses.dataclass
+class SuiteResult:
+    """The results of a sweep, in case order, and its wall time."""
+
+    results: list[CaseResult]
+    device: str
+    impls: tuple[str, ...]
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    @property
+    def failed(self) -> list[CaseResult]:
+        return [r for r in self.results if not r.passed]
+
+
+# ------------------------------------------------------------------------------------------------
+# Running the implementations.
+
+def _timed(fn, sync):
+    start = time.perf_counter()
+    result = fn()
+    sync(result)
+    return result, time.perf_counter() - start
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".strip()
+
+
+def _run_torch(case: Case, inputs: dict[str, np.ndarray], device: str, timings: dict,
+               results: dict) -> None:
+    """torch_ref's write (in place) then decode, on ``device``; numpy arrays into ``results``."""
+    convert.configure_torch()
+    t = {name: convert.to_torch(x, device) for name, x in inputs.items()}
+    sync = lambda _: convert.torch_sync(device)  # noqa: E731
+    scales = dict(k_scale=case.k_scale, v_scale=case.v_scale)
+    _, timings["torch.write"] = _timed(
+        lambda: torch_ref.write_kv(t["k_cache"], t["v_cache"], t["k"], t["v"], t["slot_mapping"],
+                                   **scales), sync)
+    results["k_cache"] = convert.from_torch(t["k_cache"])
+    results["v_cache"] = convert.from_torch(t["v_cache"])
+    decode = lambda: torch_ref.paged_decode_attention(  # noqa: E731
+        t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["context_lens"], case.scale,
+        logits_soft_cap=case.logits_soft_cap, sliding_window=case.sliding_window,
+        return_lse=case.return_lse, **scales, **{k: t[k] for k in _ARRAY_OPTIONS if k in t})
+    res, timings["torch.decode"] = _timed(decode, sync)
+    out, lse = res if case.return_lse else (res, None)
+    results["out"] = convert.from_torch(out)
+    if lse is not None:
+        results["lse"] = convert.from_torch(lse)
+
+
+def _decode_config(case: Case):
+    if case.block_k is None and case.num_splits is None:
+        return None
+    fields = {}
+    if case.block_k is not None:
+        fields["block_k"] = case.block_k
+    if case.num_splits is not None:
+        fields["num_splits"] = case.num_splits
+    return pallas_paged.DecodeConfig(**fields)
+
+
+def _run_jax(case: Case, inputs: dict[str, np.ndarray], device: str, impl: str, interpret: bool,
+             timings: dict, results: dict) -> None:
+    """pallas_paged's write then decode with ``impl``, on ``device``; numpy arrays into ``results``.
+
+    Each call runs twice: the first time (compile + run) and the second (run) are both recorded.
+    """
+    x = {name: convert.to_jax(a, device) for name, a in inputs.items()}
+    scales = dict(k_scale=case.k_scale, v_scale=case.v_scale)
+
+    def write():
+        return pallas_paged.write_kv(x["k_cache"], x["v_cache"], x["k"], x["v"], x["slot_mapping"],
+                                     **scales, impl=impl, interpret=interpret)
+
+    _, timings[f"{impl}.write.first"] = _timed(write, convert.jax_sync)
+    (k_cache, v_cache), timings[f"{impl}.write"] = _timed(write, convert.jax_sync)
+    results["k_cache"] = convert.from_jax(k_cache)
+    results["v_cache"] = convert.from_jax(v_cache)
+
+    def decode():
+        return pallas_paged.decode(
+            x["q"], k_cache, v_cache, x["block_tables"], x["context_lens"], scale=case.scale,
+            logits_soft_cap=case.logits_soft_cap, sliding_window=case.sliding_window,
+            return_lse=case.return_lse, impl=impl, interpret=interpret,
+            config=_decode_config(case) if impl == "pallas" else None,
+            **scales, **{k: x[k] for k in _ARRAY_OPTIONS if k in x})
+
+    _, timings[f"{impl}.decode.first"] = _timed(decode, convert.jax_sync)
+    res, timings[f"{impl}.decode"] = _timed(decode, convert.jax_sync)
+    out, lse = res if case.return_lse else (res, None)
+    results["out"] = convert.from_jax(out)
+    if lse is not None:
+        results["lse"] = convert.from_jax(lse)
+
+
+def case_outputs(case: Case, device: str = "cpu", *, impls: Sequence[str] = IMPLS,
+                 interpret: bool | None = None) -> dict:
+    """Every raw array of one case: inputs, expectations, and each implementation's outputs.
+
+    Args:
+      case: the case.
+      device: ``"cpu"`` or ``"cuda"``, for torch and JAX alike (``"cpu"`` puts the JAX arrays on
+        the host even on a GPU machine).
+      impls: the JAX implementations to run (``"xla"``, ``"pallas"``); torch_ref always runs.
+      interpret: Pallas interpret mode; None means exactly when ``device == "cpu"``.
+
+    Returns:
+      A dict with ``"case"``, ``"device"``, ``"inputs"`` (`make_inputs`), ``"expected"`` (the
+      written caches, `apply_write`), ``"truth"`` / ``"baseline"`` (float64 decode outputs, see
+      `parity.tolerance`), ``"tolerances"``, ``"timings"``, ``"errors"`` (impl -> exception text)
+      and one dict per implementation (``"torch"``, ``"xla"``, ``"pallas"``) holding whichever of
+      ``"k_cache"``, ``"v_cache"``, ``"out"``, ``"lse"`` it produced, as numpy arrays.
+    """
+    convert.check_device(device)
+    unknown = [i for i in impls if i not in IMPLS]
+    if unknown:
+        raise ValueError(f"unknown impls {unknown}: choose from {IMPLS}")
+    interpret = (device == "cpu") if interpret is None else bool(interpret)
+    timings: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    start = time.perf_counter()
+    inputs = make_inputs(case)
+    k_expected, v_expected = apply_write(case, inputs)
+    timings["inputs"] = time.perf_counter() - start
+
+    outputs: dict = dict(case=case, device=device, inputs=inputs,
+                         expected={"k_cache": k_expected, "v_cache": v_expected})
+    runners = {"torch": lambda results: _run_torch(case, inputs, device, timings, results)}
+    for impl in impls:
+        runners[impl] = lambda results, impl=impl: _run_jax(case, inputs, device, impl, interpret,
+                                                            timings, results)
+    for name, runner in runners.items():
+        outputs[name] = {}
+        try:
+            runner(outputs[name])
+        except Exception as exc:  # an implementation that raises fails its checks
+            errors[name] = _describe(exc)
+
+    start = time.perf_counter()
+    truth, baseline, tolerances = tolerance.reference_outputs(case, inputs, k_expected, v_expected,
+                                                              device)
+    timings["reference"] = time.perf_counter() - start
+    outputs.update(truth=truth, baseline=baseline, tolerances=tolerances, timings=timings,
+                   errors=errors, impls=("torch", *impls))
+    return outputs
+
+
+# ------------------------------------------------------------------------------------------------
+# Judging.
+
+def _where(index: tuple[int, ...], block_size: int) -> str:
+    block, offset, head, dim = index
+    return (f"slot {block * block_size + offset} (block {block}, offset {offset}), kv head {head},"
+            f" dim {dim}")
+
+
+def _judge_write(name: str, impl: str, got, expected: np.ndarray, case: Case,
+                 inputs: dict) -> Check:
+    if got is None:
+        return Check(name, impl, False, math.inf, math.inf, 0.0, expected.size,
+                     detail="no output")
+    if got.dtype != expected.dtype or got.shape != expected.shape:
+        return Check(name, impl, False, math.inf, math.inf, 0.0, expected.size,
+                     detail=f"got {got.dtype}{list(got.shape)}, expected"
+                            f" {expected.dtype}{list(expected.shape)}")
+    differ = convert.bits(got) != convert.bits(expected)
+    mismatches = int(differ.sum())
+    if not mismatches:
+        return Check(name, impl, True, 0.0, 0.0, 0.0)
+    err = tolerance.abs_errors(got[differ], expected[differ])
+    max_err = float(err.max()) if err.size else math.inf
+    max_err = max_err if max_err > 0 else math.inf  # differing bits, equal values (e.g. -0.0)
+    scale = tolerance.output_scale(expected)
+    index = tuple(int(i) for i in np.argwhere(differ)[0])
+    slot = index[0] * case.block_size + index[1]
+    num_slots = expected.shape[0] * expected.shape[1]
+    what = ("the last slot of the cache (where a raw -1 lands)" if slot == num_slots - 1
+            else "a slot written this step" if slot in set(inputs["slot_mapping"].tolist())
+            else "a slot not written this step")
+    rows = np.unique(np.argwhere(differ)[:, :2], axis=0).shape[0]
+    detail = (f"{mismatches} elements in {rows} slot(s) differ in their bits; first at"
+              f" {_where(index, case.block_size)}, {what}: got"
+              f" {float(got[index]):.6g}, expected {float(expected[index]):.6g}")
+    return Check(name, impl, False, max_err, max_err / scale if scale else math.inf, 0.0,
+                 mismatches, detail=detail)
+
+
+def _judge_decode(name: str, impl: str, got, truth: np.ndarray, tol: Tolerance, case: Case,
+                  inputs: dict, torch_got) -> Check:
+    expected_dtype = case.q_dtype if name == "out" else "float32"
+    if got is None:
+        return Check(name, impl, False, math.inf, math.inf, tol.value, truth.size,
+                     detail="no output")
+    if got.dtype.name != expected_dtype or got.shape != truth.shape:
+        return Check(name, impl, False, math.inf, math.inf, tol.value, truth.size,
+                     detail=f"got {got.dtype.name}{list(got.shape)}, expected"
+                            f" {expected_dtype}{list(truth.shape)}")
+    err = tolerance.abs_errors(got, truth)
+    max_err = float(err.max()) if err.size else 0.0
+    over = err > tol.value
+    mismatches = int(over.sum())
+    problems = []
+    if mismatches:
+        index = tuple(int(i) for i in np.argwhere(err == max_err)[0])
+        b = index[0]
+        problems.append(
+            f"{mismatches} of {err.size} elements over the tolerance {tol.value:.3g}; worst at"
+            f" {list(index)} (batch row {b}, context_lens={int(inputs['context_lens'][b])}): got"
+            f" {float(got[index]):.6g}, truth {float(truth[index]):.6g}")
+    empty = inputs["context_lens"] == 0
+    zero = 0.0 if name == "out" else -np.inf
+    bad_rows = [b for b in np.flatnonzero(empty).tolist()
+                if not np.all(got[b].astype(np.float64) == zero)]
+    if bad_rows:
+        problems.append(f"zero-length rows {bad_rows} are not exactly {zero}")
+    vs_torch = None
+    if impl != "torch" and torch_got is not None and torch_got.shape == got.shape:
+        vs_torch = tolerance.max_abs_error(got, torch_got)
+    rel = max_err / tol.scale if tol.scale else (0.0 if max_err == 0 else math.inf)
+    return Check(name, impl, not problems, max_err, rel, tol.value, mismatches, vs_torch,
+                 detail="; ".join(problems))
+
+
+def judge(outputs: dict) -> CaseResult:
+    """The `CaseResult` of `case_outputs`' arrays."""
+    case, inputs = outputs["case"], outputs["inputs"]
+    checks = []
+    for impl in outputs["impls"]:
+        got = outputs[impl]
+        error = outputs["errors"].get(impl)
+        for name in WRITE_OUTPUTS:
+            check = _judge_write(name, impl, got.get(name), outputs["expected"][name], case, inputs)
+            checks.append(_with_error(check, error, name in got))
+        for name, truth in outputs["truth"].items():
+            check = _judge_decode(name, impl, got.get(name), truth, outputs["tolerances"][name],
+                                  case, inputs, outputs["torch"].get(name))
+            checks.append(_with_error(check, error, name in got))
+    return CaseResult(case=case, device=outputs["device"], checks=checks,
+                      tolerances=outputs["tolerances"], timings=outputs["timings"],
+                      errors=outputs["errors"])
+
+
+def _with_error(check: Check, error: str | None, produced: bool) -> Check:
+    if error is None or produced:
+        return check
+    return dataclasses.replace(check, passed=False, detail=f"raised {error}")
+
+
+def run_case(case: Case, *, device: str = "cpu", impls: Sequence[str] = IMPLS,
+             interpret: bool | None = None) -> CaseResult:
+    """Write then decode through torch_ref and every impl in ``impls``; judge every output."""
+    return judge(case_outputs(case, device, impls=impls, interpret=interpret))
+
+
+def run_suite(cases: Iterable[Case], *, device: str = "cpu", impls: Sequence[str] = IMPLS,
+              interpret: bool | None = None,
+              progress: Callable[[int, int, CaseResult, float], None] | None = None) -> SuiteResult:
+    """`run_case` over ``cases`` in order; ``progress(i, total, result, seconds)`` after each."""
+    cases = list(cases)
+    start = time.perf_counter()
+    results = []
+    for i, case in enumerate(cases):
+        case_start = time.perf_counter()
+        result = run_case(case, device=device, impls=impls, interpret=interpret)
+        results.append(result)
+        if progress is not None:
+            progress(i, len(cases), result, time.perf_counter() - case_start)
+    return SuiteResult(results=results, device=device, impls=tuple(impls),
+                       seconds=time.perf_counter() - start)

@@ -1,0 +1,418 @@
+"""The parity harness itself: its inputs, conversions, tolerances, CLI, and that it catches bugs.
+
+The last group is the one that matters most: a deliberately broken JAX implementation (GQA heads
+mapped with ``repeat`` instead of ``repeat_interleave``; a write that lets slot -1 wrap to the last
+slot) must make the sweep fail on exactly the outputs that bug touches, and the report must name the
+case and the output.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import pallas_paged
+import torch_ref
+from parity import __main__ as cli
+from parity import cases, compare, convert, report, tolerance
+from parity.cases import Case, apply_write, make_inputs, valid_slot_mask
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# A spread of the default suite for the input-property tests (cheap: no implementation runs).
+PROPERTY_CASES = [c for c in cases.DEFAULT_SUITE
+                  if c.name in ("mha_h4_d64_bs16_fp32", "gqa3_h6_d80_bs5_fp16",
+                                "mqa_h4_d128_bs1_fp32", "gqa4_h8_d128_bs12_fp8_all",
+                                "mha_h4_d128_bs5_bf16_uniform", "gqa2_h4_d64_bs16_bf16_empty")]
+# A small GQA case (group 4, where `repeat` and `repeat_interleave` disagree) for the runs.
+SMALL = Case(name="small_gqa4", batch=4, num_heads=8, num_kv_heads=2, head_dim=32, block_size=4,
+             dtype="float32", max_blocks=6, spare_blocks=3, seed=11)
+
+
+def arrays_equal_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(convert.bits(a),
+                                                                        convert.bits(b))
+
+
+# ------------------------------------------------------------------------------------------------
+# Cases and inputs.
+
+def test_make_inputs_is_deterministic_in_the_seed():
+    case = cases.DEFAULT_SUITE[3]
+    first, again = make_inputs(case), make_inputs(case)
+    assert first.keys() == again.keys()
+    for name in first:
+        assert arrays_equal_bits(first[name], again[name]), name
+    other = make_inputs(dataclasses.replace(case, seed=case.seed + 1))
+    assert not arrays_equal_bits(first["q"], other["q"])
+    assert not arrays_equal_bits(first["block_tables"], other["block_tables"])
+
+
+@pytest.mark.parametrize("case", PROPERTY_CASES, ids=lambda c: c.name)
+def test_inputs_have_the_adversarial_properties(case):
+    x = make_inputs(case)
+    bs, width = case.block_size, case.table_width
+    lens = x["context_lens"].astype(np.int64)
+    tables = x["block_tables"].astype(np.int64)
+    num_blocks = x["k_cache"].shape[0]
+    pages = -(-lens // bs)
+    assert x["q"].dtype == cases.NP_DTYPES[case.q_dtype]
+    assert x["k_cache"].dtype == cases.NP_DTYPES[case.dtype]
+    assert x["block_tables"].dtype == np.int32
+    assert x["slot_mapping"].dtype == np.int32 and x["context_lens"].dtype == np.int32
+
+    # Physical blocks: the valid table prefixes use distinct blocks, spare blocks are left over.
+    used = np.concatenate([tables[b, :pages[b]] for b in range(case.batch)])
+    assert len(set(used.tolist())) == len(used) == pages.sum()
+    assert num_blocks == pages.sum() + case.spare_blocks
+    assert ((0 <= used) & (used < num_blocks)).all()
+
+    # Garbage tails: out of range or stale, never meaningful.
+    tails = np.concatenate([tables[b, pages[b]:] for b in range(case.batch)])
+    assert len(tails) == case.batch * width - pages.sum()
+
+    # NaN in every slot that holds no valid token (before the write: the newest slots too).
+    after = valid_slot_mask(case, x)
+    before = after.copy().reshape(-1)
+    newest = x["slot_mapping"][x["slot_mapping"] >= 0]
+    before[newest] = False
+    before = before.reshape(after.shape)
+    for cache in (x["k_cache"], x["v_cache"]):
+        values = cache.astype(np.float32)
+        assert np.isnan(values[~before]).all()
+        assert not np.isnan(values[before]).any()
+    spare = np.setdiff1d(np.arange(num_blocks), used)
+    assert np.isnan(x["k_cache"][spare].astype(np.float32)).all()
+
+    # The write: each non-empty sequence's newest position, in batch order, plus padding.
+    slots = x["slot_mapping"]
+    assert (slots == -1).sum() == case.padding_tokens
+    expected_new = [tables[b, (n - 1) // bs] * bs + (n - 1) % bs for b, n in enumerate(lens) if n]
+    assert slots[slots >= 0].tolist() == expected_new
+    assert (x["k"][slots == -1].astype(np.float32) == cases.PAD_SENTINEL).all()
+    k_after, v_after = apply_write(case, x)
+    for cache in (k_after, v_after):
+        values = cache.astype(np.float32)
+        assert np.isnan(values[~after]).all() and not np.isnan(values[after]).any()
+
+    # Lengths.
+    assert ((0 <= lens) & (lens <= case.capacity)).all()
+    edges = {0, 1, bs - 1, bs, bs + 1, case.capacity}
+    if case.lengths == "edges" and case.batch >= len(edges):
+        assert edges <= set(lens.tolist())
+
+
+def test_inputs_across_the_suite_cover_every_kind_of_garbage():
+    garbage, shuffled, padding_inside, zero_rows = set(), False, False, False
+    for case in cases.DEFAULT_SUITE:
+        x = make_inputs(case)
+        lens, tables, bs = x["context_lens"], x["block_tables"], case.block_size
+        num_blocks = x["k_cache"].shape[0]
+        pages = -(-lens.astype(np.int64) // bs)
+        for b in range(case.batch):
+            tail = tables[b, pages[b]:].tolist()
+            garbage |= {g for g in tail if not 0 <= g < num_blocks}
+            used = tables[b, :pages[b]]
+            shuffled |= bool((np.diff(used) != 1).any())
+        pad = np.flatnonzero(x["slot_mapping"] == -1)
+        padding_inside |= bool(len(pad) and pad.min() < len(x["slot_mapping"]) - len(pad))
+        zero_rows |= bool((lens == 0).any() and (lens > 0).any())
+    assert {2**30, 99999, -1, -7} <= garbage
+    assert shuffled and padding_inside and zero_rows
+
+
+def test_default_suite_covers_the_brief():
+    suite = cases.DEFAULT_SUITE
+    assert {c.group for c in suite} >= {1, 2, 3, 8}
+    assert any(c.num_kv_heads == 1 for c in suite)
+    assert {c.head_dim for c in suite} >= {64, 80, 96, 128}
+    assert {c.block_size for c in suite} >= {1, 3, 5, 12, 16}
+    assert {c.dtype for c in suite} == set(cases.DTYPES)
+    alone = {c.options for c in suite if len(c.options) == 1}
+    assert alone >= {("softcap",), ("alibi",), ("window",), ("sinks",), ("fp8",), ("lse",)}
+    everything = {"softcap", "alibi", "window", "sinks", "lse"}
+    assert any(set(c.options) >= everything | {"fp8"} for c in suite)
+    assert {c.dtype for c in suite if set(c.options) >= everything} == set(cases.DTYPES)
+    assert any(c.num_splits and c.num_splits > 1 for c in suite)
+    assert all(c.batch <= 6 and c.capacity <= 200 for c in suite)
+    full = cases.FULL_SUITE
+    assert max(c.capacity for c in full) >= 4096 and max(c.batch for c in full) == 64
+    assert 256 in {c.head_dim for c in full} and max(c.block_size for c in full) == 64
+    assert len({c.seed for c in full}) > 1
+    assert len({c.name for c in suite + full}) == len(suite) + len(full)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(num_heads=6, num_kv_heads=4),
+    dict(dtype="float64"),
+    dict(dtype="float8_e4m3fn"),                          # no scales
+    dict(k_scale=0.1, v_scale=0.1),                       # scales without fp8
+    dict(lengths=(1, 2)),                                 # not one per row
+    dict(lengths="random"),
+    dict(batch=2, lengths=(1, 10**6)),                    # beyond capacity
+])
+def test_bad_cases_are_refused(bad):
+    with pytest.raises(ValueError, match="Case 'bad'"):
+        Case(name="bad", **bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# Conversion.
+
+def _special_values(dtype) -> np.ndarray:
+    """Normal, subnormal, signed zeros, infinities (where they exist) and NaN with payloads."""
+    values = np.array([0.0, -0.0, 1.0, -2.5, 3.140625, 1e-3, 448.0, np.nan], dtype=np.float32)
+    arr = values.astype(dtype)
+    width = np.dtype(dtype).itemsize
+    raw = arr.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[width]).copy()
+    if width > 1:  # odd NaN payloads and the smallest subnormal
+        nan_bits = {2: [0x7FC1, 0xFF81, 0x0001] if dtype != np.float16 else [0x7E01, 0xFC03, 0x0001],
+                    4: [0x7FC00123, 0xFF800001, 0x00000001]}[width]
+        raw = np.concatenate([raw, np.array(nan_bits, dtype=raw.dtype)])
+    else:
+        raw = np.concatenate([raw, np.array([0x7F, 0xFF, 0x01], dtype=np.uint8)])
+    return raw.view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16,
+                                   ml_dtypes.float8_e4m3fn], ids=lambda d: np.dtype(d).name)
+def test_conversion_is_bit_exact(dtype):
+    rng = np.random.default_rng(0)
+    random = (rng.standard_normal(300) * 50).astype(np.float32).astype(dtype)
+    arr = np.concatenate([_special_values(dtype), random]).reshape(-1, 1)
+    t = convert.to_torch(arr, "cpu")
+    assert t.dtype == {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
+                       np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
+                       np.dtype(ml_dtypes.float8_e4m3fn): torch.float8_e4m3fn}[np.dtype(dtype)]
+    assert arrays_equal_bits(convert.from_torch(t), arr)
+    x = convert.to_jax(arr, "cpu")
+    assert x.dtype == arr.dtype and x.devices() == {jax.devices("cpu")[0]}
+    assert arrays_equal_bits(convert.from_jax(x), arr)
+    # The frameworks' own views of the bits agree too.
+    carrier = {1: (torch.uint8, jnp.uint8), 2: (torch.int16, jnp.uint16), 4: (torch.int32, jnp.uint32)}
+    t_int, j_int = carrier[arr.dtype.itemsize]
+    torch_bits = t.view(t_int).numpy().view(convert.bits(arr).dtype)
+    jax_bits = np.asarray(jax.lax.bitcast_convert_type(x, j_int))
+    assert np.array_equal(torch_bits, convert.bits(arr))
+    assert np.array_equal(jax_bits, convert.bits(arr))
+    # Values too, where numpy can compare them: bf16 rounding happened once, in ml_dtypes.
+    if dtype is ml_dtypes.bfloat16:
+        src = np.float32(1 + 2**-8 + 2**-10)  # between two bf16 values, nearer the upper one
+        assert float(convert.to_torch(np.array([src]).astype(dtype))[0]) == float(
+            np.array([src]).astype(dtype)[0]) == float(torch.tensor(src).to(torch.bfloat16))
+
+
+def test_to_jax_refuses_64_bit_arrays_it_would_narrow():
+    with pytest.raises(ValueError, match="narrowed"):
+        convert.to_jax(np.zeros(3, dtype=np.int64))
+
+
+def test_only_convert_imports_both_frameworks():
+    both = []
+    for path in sorted((ROOT / "parity").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        roots = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                roots.add(node.module.split(".")[0])
+        if {"torch", "jax"} <= roots:
+            both.append(path.name)
+    # report.py reads the two versions for the JSON environment block, nothing else.
+    assert both == ["convert.py", "report.py"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Tolerances.
+
+def test_abs_errors_treat_nan_as_infinite_and_equal_infinities_as_equal():
+    out = np.array([1.0, np.nan, -np.inf, np.inf, 2.0])
+    truth = np.array([1.5, 0.0, -np.inf, -np.inf, np.nan])
+    np.testing.assert_array_equal(tolerance.abs_errors(out, truth), [0.5, np.inf, 0.0, np.inf, np.inf])
+
+
+def test_decode_tolerance_is_twice_the_baseline_error_plus_a_scaled_floor():
+    truth = np.array([[0.5, -4.0]])
+    baseline = np.array([[0.52, -4.0]])
+    tol = tolerance.decode_tolerance("out", "bfloat16", truth, baseline)
+    assert tol.scale == 4.0 and tol.baseline_err == pytest.approx(0.02)
+    assert tol.value == pytest.approx(2 * 0.02 + 4.0 * 2**-8)
+    lse = tolerance.decode_tolerance("lse", "float32", np.array([-np.inf, 0.25]), np.array([-np.inf, 0.25]))
+    assert lse.value == pytest.approx(1e-5) and lse.baseline_err == 0.0
+    zeros = tolerance.decode_tolerance("out", "float16", np.zeros(3), np.zeros(3))
+    assert zeros.value == 0.0  # an all-empty batch must give exact zeros
+
+
+@pytest.mark.parametrize("case", [c for c in cases.DEFAULT_SUITE
+                                  if c.name in ("gqa4_h8_d64_bs5_bf16_all",
+                                                "mqa_h8_d96_bs3_fp32_all",
+                                                "gqa4_h8_d128_bs12_fp8_all")], ids=lambda c: c.name)
+def test_truth_agrees_with_torch_ref_and_the_baseline_is_worse(case):
+    x = make_inputs(case)
+    k_cache, v_cache = apply_write(case, x)
+    truth, baseline, tols = tolerance.reference_outputs(case, x, k_cache, v_cache)
+    # torch_ref on fp32-upcast inputs (the fp8 caches stay fp8: torch_ref dequantizes them itself).
+    def up(a):
+        keep = a.dtype.kind in "iu" or a.dtype == cases.NP_DTYPES["float8_e4m3fn"]
+        return a if keep else a.astype(np.float32)
+
+    t = {k: convert.to_torch(up(v)) for k, v in x.items()}
+    out, lse = torch_ref.paged_decode_attention(
+        t["q"], convert.to_torch(up(k_cache)), convert.to_torch(up(v_cache)), t["block_tables"],
+        t["context_lens"], case.scale, logits_soft_cap=case.logits_soft_cap,
+        alibi_slopes=t["alibi_slopes"], sliding_window=case.sliding_window, sinks=t["sinks"],
+        k_scale=case.k_scale, v_scale=case.v_scale, return_lse=True)
+    scale = tols["out"].scale
+    assert tolerance.max_abs_error(out.numpy(), truth["out"]) <= 1e-5 * scale
+    assert tolerance.max_abs_error(lse.numpy(), truth["lse"]) <= 1e-5 * max(1, tols["lse"].scale)
+    # The naive baseline in a low dtype is much worse than fp32; in fp32 it is fp32-accurate.
+    if case.q_dtype == "float32":
+        assert tols["out"].value <= 3e-5 * scale
+    else:
+        assert tols["out"].baseline_err > 10 * tolerance.max_abs_error(out.numpy(), truth["out"])
+        assert tols["out"].value < 0.1 * scale
+    assert tols["lse"].value <= 1e-4 * max(1, tols["lse"].scale)
+
+
+# ------------------------------------------------------------------------------------------------
+# Runs through the real implementations.
+
+@pytest.fixture(scope="module")
+def small_result():
+    return compare.run_case(SMALL, device="cpu")
+
+
+def test_a_correct_run_passes_every_check(small_result):
+    r = small_result
+    assert r.passed, report.failure_lines([r])
+    labels = {c.label for c in r.checks}
+    assert labels == {f"{o}[{i}]" for o in ("k_cache", "v_cache", "out")
+                      for i in ("torch", "xla", "pallas")}
+    for c in r.checks:
+        assert c.ratio <= 1 and math.isfinite(c.max_abs_err)
+        if c.output == "out" and c.impl != "torch":
+            assert c.vs_torch is not None and c.vs_torch <= 1e-5 * r.tolerances["out"].scale
+    assert r.tolerances["out"].value < 1e-4 * r.tolerances["out"].scale  # fp32: fp32-accurate
+    assert {"torch.write", "xla.decode.first", "pallas.decode", "reference"} <= r.timings.keys()
+    assert "out" in report.format_table([r]).splitlines()[0]
+    json.loads(json.dumps(r.to_dict()))
+
+
+def test_an_implementation_that_raises_is_a_failure_not_a_crash(monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(pallas_paged, "decode", boom)
+    outputs = compare.case_outputs(SMALL, "cpu", impls=("xla",))
+    r = compare.judge(outputs)
+    failed = {c.label for c in r.failures}
+    assert failed == {"out[xla]"}
+    assert "kernel exploded" in r.check("out", "xla").detail
+
+
+@pytest.fixture
+def fresh_jit():
+    """Forget compiled functions so a monkeypatched helper is traced again (and forgotten after)."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+def test_gqa_repeat_instead_of_repeat_interleave_is_caught(monkeypatch, fresh_jit, capsys, tmp_path):
+    original = pallas_paged.reference.decode_xla
+
+    def tiled(q, k_cache, v_cache, *args, **kwargs):
+        # The classic bug: expand the kv heads with `repeat` (tile), so head h reads kv head
+        # h % KVH instead of h // (H / KVH).
+        group = q.shape[1] // k_cache.shape[2]
+        k_cache, v_cache = (jnp.tile(c, (1, 1, group, 1)) for c in (k_cache, v_cache))
+        return original(q, k_cache, v_cache, *args, **kwargs)
+
+    monkeypatch.setattr(pallas_paged.reference, "decode_xla", tiled)
+    monkeypatch.setitem(cases.SUITES, "default", (SMALL,))
+    path = tmp_path / "report.json"
+    code = cli.main(["--device", "cpu", "--impl", "xla", "-k", "small", "--json", str(path), "-q"])
+    stdout = capsys.readouterr().out
+    assert code == 1
+    assert f"FAIL {SMALL.name} out[xla]" in stdout
+    assert "FAILED: 0/1 cases passed" in stdout
+    doc = json.loads(path.read_text())
+    failed = {c["label"] for case in doc["cases"] for c in case["checks"] if not c["passed"]}
+    assert failed == {"out[xla]"}  # the writes and torch_ref are untouched
+    assert doc["passed"] is False and doc["failures"][0].startswith(f"FAIL {SMALL.name} out[xla]")
+
+
+def _write_bug_case() -> Case:
+    """A case whose last cache slot holds a valid (not newly written) token: a -1 that wraps there
+    corrupts both the write and the decode that reads it."""
+    for seed in range(100):
+        case = dataclasses.replace(SMALL, name="wrap_minus_one", seed=seed)
+        x = make_inputs(case)
+        last = x["k_cache"].shape[0] * case.block_size - 1
+        if valid_slot_mask(case, x).reshape(-1)[last] and last not in x["slot_mapping"].tolist():
+            return case
+    raise AssertionError("no seed puts a valid token in the last slot")
+
+
+def test_slot_minus_one_wrapping_to_the_last_slot_is_caught(monkeypatch, fresh_jit, capsys):
+    def unfiltered(k_flat, v_flat, k_rows, v_rows, slots):
+        # The classic bug: no -1 filter, so a padding token lands in the last slot.
+        return k_flat.at[slots].set(k_rows), v_flat.at[slots].set(v_rows)
+
+    monkeypatch.setattr(pallas_paged.write, "_write_xla", unfiltered)
+    case = _write_bug_case()
+    r = compare.run_case(case, device="cpu", impls=("xla",))
+    assert {c.label for c in r.failures} == {"k_cache[xla]", "v_cache[xla]", "out[xla]"}
+    detail = r.check("k_cache", "xla").detail
+    assert "the last slot of the cache" in detail and "expected" in detail
+    lines = report.failure_lines([r])
+    assert any(line.startswith(f"FAIL wrap_minus_one k_cache[xla]") for line in lines)
+    assert "FAIL xla" in report.format_table([r])
+
+
+# ------------------------------------------------------------------------------------------------
+# The CLI.
+
+@pytest.mark.parametrize("argv", [["--dtype", "float64"], ["-k", "no-such-case"],
+                                  ["--device", "tpu"], ["--impl", "triton"], ["--seed", "x"]])
+def test_cli_usage_errors_exit_2(argv, capsys):
+    assert cli.main(argv) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_cli_lists_and_filters_cases(capsys):
+    assert cli.main(["--list", "--dtype", "fp8"]) == 0
+    names = capsys.readouterr().out.split()
+    assert names and all("fp8" in n for n in names)
+    assert cli.main(["--list", "--full", "-k", "ctx"]) == 0
+    assert len(capsys.readouterr().out.split()) == len(cases.FULL_SUITE)
+
+
+def test_cli_smoke_run_writes_json(tmp_path):
+    path = tmp_path / "parity.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "parity", "--device", "cpu", "-k", "mqa_h8_d64_bs3_fp16",
+         "--json", str(path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[1/1] mqa_h8_d64_bs3_fp16" in proc.stderr
+    assert "mqa_h8_d64_bs3_fp16" in proc.stdout and "PASSED: 1/1 cases passed" in proc.stdout
+    doc = json.loads(path.read_text())
+    assert doc["passed"] and doc["device"] == "cpu" and len(doc["cases"]) == 1
+    assert {c["label"] for c in doc["cases"][0]["checks"]} == {
+        f"{o}[{i}]" for o in ("k_cache", "v_cache", "out") for i in ("torch", "xla", "pallas")}
