@@ -35,7 +35,8 @@ def draw_write(rng, *, num_blocks=6, block_size=4, kvh=2, head_dim=16, num_token
 
 
 def fp8_scales(dtype):
-    return dict(k_scale=0.5, v_scale=0.25) if dtype == "float8_e4m3fn" else {}
+    # Not powers of two: x / s and x * (1 / s) round differently, and only the division is right.
+    return dict(k_scale=0.37, v_scale=1.3) if dtype == "float8_e4m3fn" else {}
 
 
 def write_torch(k_cache, v_cache, k, v, slots, **scales):
