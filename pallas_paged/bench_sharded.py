@@ -1,0 +1,341 @@
+"""Multi-GPU scaling of paged decode: `shard_decode` on 2 GPUs against `decode` on one.
+
+    python -m pallas_paged.bench_sharded [--json PATH] [--impl pallas|xla] [--smoke]
+
+The problem (defaults): batch 64, context 4096, 32 query heads on 8 kv heads, head_dim 128, bf16,
+block_size 16, every sequence at full length, blocks shuffled. Variants:
+
+- ``1gpu``: `decode` on one device, the baseline of every ratio below.
+- strong scaling, the same global problem on 2 devices: ``tp2`` (kv heads split, 4 per device)
+  and ``dp2`` (batch split, 32 sequences and their blocks per device, local block ids).
+- weak scaling, the same per-device problem: ``dp2-weak`` (batch 128 over 2 devices) and
+  ``tp2-weak`` (64 heads on 16 kv heads over 2 devices).
+
+Reported per variant: the median step time (rounds of back-to-back calls after a warm-up, so the
+host's dispatch overlaps the device work as in a serving loop), the speedup over ``1gpu``
+(strong: ``t1 / tn``; weak: ``n * t1 / tn``, the work done per unit time), the efficiency
+(speedup / devices), the KV bandwidth achieved and its fraction of the devices' copy bandwidth
+measured in the same run (``x + 1`` over a 1 GiB array on each device at once), and the largest
+difference from a single-device `decode` of the same global problem (a correctness check, outside
+the timing). Each variant's failure is recorded and the others still run.
+
+``--smoke`` runs tiny shapes on 2 virtual CPU devices (Pallas in interpret mode) to prove the
+script works end to end; its times mean nothing.
+
+NVLink multicast stays off: ``NCCL_NVLS_ENABLE=0`` and ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` are set
+below before this module imports JAX. (Run as ``python -m``, the package's ``__init__`` has imported
+``jax`` already; that is harmless because JAX reads the environment when it creates its backends, at
+the first device query, and NCCL when it creates a communicator; ``_configure_platform`` checks
+that no backend exists yet.) The sharded programs hold no collective, so NCCL has no work here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+DEVICES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    batch: int = 64
+    context: int = 4096
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+    dtype: str = "bfloat16"
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-self.context // self.block_size)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V one decode step reads (every sequence at full length)."""
+        itemsize = jnp.dtype(self.dtype).itemsize
+        return 2 * self.batch * self.context * self.num_kv_heads * self.head_dim * itemsize
+
+    def scaled(self, **changes) -> Problem:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    scaling: str                # "baseline", "strong" or "weak"
+    devices: int
+    problem: Problem            # the global problem
+    kv_axis: str | None = None
+    batch_axis: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    warmup: int = 5
+    rounds: int = 20
+    calls_per_round: int = 10
+
+
+def variants(base: Problem) -> list[Variant]:
+    n = DEVICES
+    return [
+        Variant("1gpu", "baseline", 1, base),
+        Variant("tp2", "strong", n, base, kv_axis="tp"),
+        Variant("dp2", "strong", n, base, batch_axis="dp"),
+        Variant("dp2-weak", "weak", n, base.scaled(batch=n * base.batch), batch_axis="dp"),
+        Variant("tp2-weak", "weak", n, base.scaled(num_heads=n * base.num_heads,
+                                                   num_kv_heads=n * base.num_kv_heads), kv_axis="tp"),
+    ]
+
+
+# ------------------------------------------------------------------------------------------ setup
+
+def _configure_platform(smoke: bool) -> None:
+    """In smoke mode: the CPU backend with 2 virtual devices (before any backend exists)."""
+    if not smoke:
+        return
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("--smoke must configure the CPU devices before JAX creates its backends")
+    jax.config.update("jax_platforms", "cpu")
+    if hasattr(jax.config, "jax_num_cpu_devices"):
+        jax.config.update("jax_num_cpu_devices", DEVICES)
+    else:  # pragma: no cover - older JAX
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()
+
+
+def _random(key, shape, dtype, sharding):
+    """A normal array made directly in place on its devices (no host round trip)."""
+    make = jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32).astype(dtype),
+                   out_shardings=sharding)
+    return make(key)
+
+
+def build_inputs(v: Variant, devices, seed: int = 0):
+    """Global arrays for variant ``v`` placed as `shard_decode` wants them.
+
+    Blocks are a shuffled permutation within each batch shard's pool; tables hold ids local to the
+    pool (with no ``batch_axis`` there is one pool and local = global). Also returns the global
+    tables for the single-device check.
+    """
+    from pallas_paged.sharding import decode_shardings
+
+    p = v.problem
+    dtype = jnp.dtype(p.dtype)
+    if v.devices == 1:
+        one = jax.sharding.SingleDeviceSharding(devices[0])
+        shardings = {name: one for name in ("q", "k_cache", "v_cache", "block_tables", "context_lens")}
+        mesh = None
+    else:
+        axis = v.kv_axis or v.batch_axis
+        mesh = Mesh(np.array(devices[:v.devices]), (axis,))
+        shardings = decode_shardings(mesh, kv_axis=v.kv_axis, batch_axis=v.batch_axis)
+    pools = v.devices if v.batch_axis else 1
+    rows_per_pool = p.batch // pools
+    blocks_per_pool = rows_per_pool * p.blocks_per_seq
+    rng = np.random.default_rng(seed)
+    local = np.concatenate([rng.permutation(blocks_per_pool).reshape(rows_per_pool, p.blocks_per_seq)
+                            for _ in range(pools)]).astype(np.int32)
+    offsets = (np.arange(p.batch) // rows_per_pool * blocks_per_pool)[:, None]
+    global_tables = (local + offsets).astype(np.int32)
+    lens = np.full((p.batch,), p.context, np.int32)
+    keys = jax.random.split(jax.random.key(seed), 3)
+    cache_shape = (pools * blocks_per_pool, p.block_size, p.num_kv_heads, p.head_dim)
+    args = (
+        _random(keys[0], (p.batch, p.num_heads, p.head_dim), dtype, shardings["q"]),
+        _random(keys[1], cache_shape, dtype, shardings["k_cache"]),
+        _random(keys[2], cache_shape, dtype, shardings["v_cache"]),
+        jax.device_put(local, shardings["block_tables"]),
+        jax.device_put(lens, shardings["context_lens"]),
+    )
+    return mesh, args, global_tables
+
+
+def kernel_config(v: Variant, impl: str):
+    """The config each device's kernel picks for its local shape (None for the XLA path)."""
+    if impl != "pallas":
+        return None
+    from pallas_paged import tuned
+    from pallas_paged.config import DecodeShape
+    from pallas_paged.platform import sm_count
+
+    p = v.problem
+    local_batch = p.batch // (v.devices if v.batch_axis else 1)
+    local_kvh = p.num_kv_heads // (v.devices if v.kv_axis else 1)
+    shape = DecodeShape(batch=local_batch, num_kv_heads=local_kvh,
+                        group=p.num_heads // p.num_kv_heads, head_dim=p.head_dim,
+                        block_size=p.block_size, capacity=p.blocks_per_seq * p.block_size,
+                        cache_dtype=p.dtype)
+    return tuned.lookup(shape, sm_count())
+
+
+# ----------------------------------------------------------------------------------------- timing
+
+def time_calls(fn, args, timing: Timing) -> dict:
+    """Median per-call time over rounds of back-to-back calls (seconds), after a warm-up."""
+    for _ in range(timing.warmup):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    per_call = []
+    for _ in range(timing.rounds):
+        start = time.perf_counter()
+        for _ in range(timing.calls_per_round):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - start) / timing.calls_per_round)
+    per_call.sort()
+    return dict(median_s=statistics.median(per_call), min_s=per_call[0], max_s=per_call[-1])
+
+
+def copy_bandwidth(devices, nbytes: int, timing: Timing) -> float:
+    """Bytes per second of ``x + 1`` (read + write) on ``devices`` at once, each with ``nbytes``."""
+    count = nbytes // 2
+    mesh = Mesh(np.array(devices), ("d",))
+    sharding = NamedSharding(mesh, P("d"))
+    x = _random(jax.random.key(1), (len(devices) * count,), jnp.bfloat16, sharding)
+    fn = jax.jit(lambda a: a + jnp.asarray(1, a.dtype))
+    t = time_calls(fn, (x,), timing)["median_s"]
+    del x
+    return 2 * len(devices) * count * 2 / t
+
+
+# ------------------------------------------------------------------------------------------- runs
+
+def run_variant(v: Variant, impl: str, timing: Timing, devices, copy_bw: dict, baseline: dict | None):
+    import pallas_paged
+    from pallas_paged.sharding import shard_decode
+
+    row = dict(name=v.name, scaling=v.scaling, devices=v.devices, kv_axis=v.kv_axis,
+               batch_axis=v.batch_axis, problem=dataclasses.asdict(v.problem), impl=impl)
+    if len(devices) < v.devices:
+        row["status"] = f"skipped: needs {v.devices} devices, have {len(devices)}"
+        return row
+    try:
+        config = kernel_config(v, impl)
+        row["config"] = None if config is None else dataclasses.asdict(config)
+        mesh, args, global_tables = build_inputs(v, devices)
+        if mesh is None:
+            fn = jax.jit(lambda *a: pallas_paged.decode(*a, impl=impl))
+        else:
+            fn = shard_decode(mesh, kv_axis=v.kv_axis, batch_axis=v.batch_axis, impl=impl)
+        t = time_calls(fn, args, timing)
+        row.update(t)
+        bandwidth = v.problem.kv_bytes / t["median_s"]
+        row["kv_GBps"] = bandwidth / 1e9
+        row["frac_of_copy_bw"] = bandwidth / copy_bw[v.devices]
+        if v.scaling == "baseline":
+            row["speedup"] = row["efficiency"] = 1.0
+        elif baseline is not None and "median_s" in baseline:
+            ratio = baseline["median_s"] / t["median_s"]
+            row["speedup"] = ratio * (v.devices if v.scaling == "weak" else 1)
+            row["efficiency"] = row["speedup"] / v.devices
+        row["max_abs_diff_vs_1gpu"] = check(fn, args, global_tables, devices[0], impl)
+        row["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - one variant's failure must not stop the others
+        row["status"] = f"failed: {type(e).__name__}: {e}"
+        row["traceback"] = traceback.format_exc()
+    return row
+
+
+def check(fn, args, global_tables, device, impl: str) -> float:
+    """max |sharded - single-device decode| on the same global problem (global block ids)."""
+    import pallas_paged
+
+    out = np.asarray(fn(*args), np.float32)
+    q, kc, vc, _, lens = (jax.device_put(a, device) for a in args)
+    ref = pallas_paged.decode(q, kc, vc, jax.device_put(global_tables, device), lens, impl=impl)
+    return float(np.max(np.abs(out - np.asarray(ref, np.float32))))
+
+
+def _fmt(x, spec: str) -> str:
+    """``format(x, spec)``, or a dash as wide as the spec's width when there is no value."""
+    width = int(spec.split(".")[0] or 0)
+    return "-".rjust(width) if x is None else format(x, spec)
+
+
+def print_table(report: dict) -> None:
+    print(f"device: {report['device']}  x{report['num_devices']}   jax {report['jax']}   impl={report['impl']}")
+    bw = report["copy_GBps"]
+    print("copy bandwidth (x + 1, all devices at once): "
+          + ", ".join(f"{k} dev {v:.0f} GB/s" for k, v in bw.items()))
+    header = (f"{'variant':<10} {'scaling':<8} {'dev':>3} {'B':>4} {'H':>3} {'KVH':>3} {'ms':>8}"
+              f" {'speedup':>7} {'eff':>5} {'KV GB/s':>8} {'%copy':>6} {'max|diff|':>9}  status")
+    print(header)
+    print("-" * len(header))
+    for r in report["variants"]:
+        p = r["problem"]
+        ms = r.get("median_s")
+        print(f"{r['name']:<10} {r['scaling']:<8} {r['devices']:>3} {p['batch']:>4} {p['num_heads']:>3}"
+              f" {p['num_kv_heads']:>3} {_fmt(ms and ms * 1e3, '8.3f')} {_fmt(r.get('speedup'), '7.2f')}"
+              f" {_fmt(r.get('efficiency'), '5.2f')} {_fmt(r.get('kv_GBps'), '8.0f')}"
+              f" {_fmt(r.get('frac_of_copy_bw') and 100 * r['frac_of_copy_bw'], '6.1f')}"
+              f" {_fmt(r.get('max_abs_diff_vs_1gpu'), '9.2g')}  {r['status'][:60]}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--impl", choices=("pallas", "xla"), default="pallas")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on 2 virtual CPU devices (interpret mode); times mean nothing")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per variant")
+    args = parser.parse_args(argv)
+    _configure_platform(args.smoke)
+
+    if args.smoke:
+        base = Problem(batch=4, context=40, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
+        timing, copy_bytes = Timing(warmup=1, rounds=2, calls_per_round=2), 1 << 20
+    else:
+        base = Problem()
+        timing, copy_bytes = Timing(), 1 << 30
+    if args.rounds:
+        timing = dataclasses.replace(timing, rounds=args.rounds)
+    devices = jax.devices()
+    report = dict(device=devices[0].device_kind, num_devices=len(devices), jax=jax.__version__,
+                  impl=args.impl, smoke=args.smoke, timing=dataclasses.asdict(timing),
+                  env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
+                  copy_GBps={}, variants=[])
+    copy_bw = {}
+    for n in sorted({1, min(DEVICES, len(devices))}):
+        copy_bw[n] = copy_bandwidth(devices[:n], copy_bytes, timing)
+        report["copy_GBps"][n] = copy_bw[n] / 1e9
+    baseline = None
+    for v in variants(base):
+        row = run_variant(v, args.impl, timing, devices, copy_bw, baseline)
+        if v.scaling == "baseline":
+            baseline = row
+        report["variants"].append(row)
+    print_table(report)
+    for r in report["variants"]:
+        if "traceback" in r:
+            print(f"\n{r['name']}:\n{r['traceback']}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        print(f"wrote {args.json}")
+    failed = [r["name"] for r in report["variants"] if r["status"].startswith("failed")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,446 @@
+"""shard_decode / shard_write_kv on 4 devices: bit-identical to one device, and no collectives.
+
+The multi-device checks need 4 JAX devices. On CPU those are virtual devices that exist only when
+``XLA_FLAGS=--xla_force_host_platform_device_count=4`` is set before JAX creates its backends,
+which a normal test run has done long before this file is imported. So:
+
+- every multi-device test is skipped in a process with fewer than 4 devices, and
+- `test_multi_device_checks_in_subprocess` runs this file again in a fresh CPU process with 4
+  virtual devices and asserts that every one of those tests passed there (none skipped).
+
+A process that already has 4 devices (``XLA_FLAGS`` set by hand, or a 4-GPU machine) runs them
+in place and skips the subprocess.
+
+Layouts: tensor parallel on a ``(4,)`` mesh ``"tp"``, batch parallel on a ``(4,)`` mesh ``"dp"``
+(block ids and slots local to each device's cache shard), and both on a ``2 x 2`` mesh. The
+single-device reference sees the same global arrays, with local ids translated to global ones
+(``global block = shard * blocks_per_shard + local block``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+import zlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pallas_paged
+from pallas_paged import sharding
+
+NUM_DEVICES = 4
+CHILD_ENV = "PALLAS_PAGED_SHARDING_CHILD"
+IN_CHILD = os.environ.get(CHILD_ENV) == "1"
+HAVE_DEVICES = len(jax.devices()) >= NUM_DEVICES
+if IN_CHILD and not HAVE_DEVICES:  # the subprocess must run the checks, never skip them
+    raise RuntimeError(f"{CHILD_ENV}=1 but JAX sees {len(jax.devices())} devices: {jax.devices()}")
+needs_devices = pytest.mark.skipif(
+    not HAVE_DEVICES, reason=f"needs {NUM_DEVICES} devices; run by test_multi_device_checks_in_subprocess")
+
+# name -> (mesh shape, mesh axis names, kv_axis, batch_axis)
+LAYOUTS = {
+    "tp4": ((4,), ("tp",), "tp", None),
+    "dp4": ((4,), ("dp",), None, "dp"),
+    "dp2xtp2": ((2, 2), ("dp", "tp"), "tp", "dp"),
+}
+NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16,
+             "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
+
+
+def make_mesh(layout: str) -> Mesh:
+    shape, names, _, _ = LAYOUTS[layout]
+    devices = np.array(jax.devices()[:NUM_DEVICES]).reshape(shape)
+    return Mesh(devices, names)
+
+
+def batch_shards(layout: str) -> int:
+    shape, names, _, batch_axis = LAYOUTS[layout]
+    return 1 if batch_axis is None else shape[names.index(batch_axis)]
+
+
+def bits(x) -> np.ndarray:
+    """The raw bits of an array, so that equality is bitwise (NaN, -0.0 and all)."""
+    x = np.asarray(x)
+    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.itemsize])
+
+
+def assert_bitwise_equal(actual, expected, what: str) -> None:
+    a, e = np.asarray(actual), np.asarray(expected)
+    assert a.shape == e.shape and a.dtype == e.dtype, (what, a.shape, a.dtype, e.shape, e.dtype)
+    mismatch = bits(a) != bits(e)
+    assert not mismatch.any(), f"{what}: {mismatch.sum()} of {mismatch.size} elements differ"
+
+
+def assert_no_collectives(compiled) -> None:
+    found = sharding.collectives_in(compiled.as_text())
+    assert not found, f"the compiled sharded program communicates: {found}"
+
+
+def put(x, shardings, name):
+    return jax.device_put(x, shardings[name])
+
+
+def assert_sharded(x, expected: NamedSharding) -> None:
+    assert x.sharding.is_equivalent_to(expected, x.ndim), (x.sharding, expected)
+
+
+# ---------------------------------------------------------------------------------------- inputs
+#
+# One global problem per case serves every layout: the blocks (and slots) are drawn from 4 pools,
+# one per contiguous quarter of the batch (of the tokens), and a layout with s batch shards joins
+# 4 / s neighbouring pools into one shard. Its local ids are the global ids minus the shard's first
+# block (slot). The single-device reference is computed once per case, on the global ids.
+
+POOLS = 4
+
+
+def to_local(ids: np.ndarray, used: np.ndarray, shards: int, per_shard_ids: int) -> np.ndarray:
+    """Global block ids (rows of a table) or slots (tokens) -> ids local to each row's shard."""
+    rows_per_shard = ids.shape[0] // shards
+    offset = (np.arange(ids.shape[0]) // rows_per_shard) * per_shard_ids
+    offset = offset.reshape((-1,) + (1,) * (ids.ndim - 1))
+    return np.where(used, ids - offset, ids).astype(np.int32)
+
+
+@functools.cache
+def decode_problem(dtype: str, *, batch=8, num_heads=12, num_kv_heads=4, head_dim=16,
+                   block_size=4, max_blocks=5, spare=2):
+    """A decode problem whose sequences take their blocks from `POOLS` pools (see above).
+
+    GQA group 3 (12 heads on 4 kv heads), so a wrong head -> kv head mapping on a shard shows.
+    Lengths 0, 1, bs - 1, bs, bs + 1 and the capacity; shuffled blocks; garbage table tails; NaN
+    in every cache slot that is not a valid token.
+    """
+    rng = np.random.default_rng(zlib.crc32(dtype.encode()))
+    rows_per_pool = batch // POOLS
+    blocks_per_pool = rows_per_pool * max_blocks + spare
+    num_blocks = POOLS * blocks_per_pool
+    capacity = max_blocks * block_size
+    lens = rng.permutation([0, 1, block_size - 1, block_size, block_size + 1, capacity, 7, 13])
+    lens = lens[:batch].astype(np.int32)
+    tables = np.concatenate([pool * blocks_per_pool + rng.permutation(blocks_per_pool)[
+        :rows_per_pool * max_blocks].reshape(rows_per_pool, max_blocks) for pool in range(POOLS)])
+    used = np.arange(max_blocks)[None, :] < -(-lens // block_size)[:, None]
+    valid_slots = np.zeros(num_blocks * block_size, bool)
+    for b in range(batch):
+        p = np.arange(lens[b])
+        valid_slots[tables[b, p // block_size] * block_size + p % block_size] = True
+    garbage = rng.choice(np.array([99999, -7, num_blocks], np.int32), size=tables.shape)
+    tables = np.where(used, tables, garbage).astype(np.int32)
+
+    def cache():
+        c = rng.standard_normal((num_blocks, block_size, num_kv_heads, head_dim)).astype(np.float32)
+        c.reshape(-1, num_kv_heads, head_dim)[~valid_slots] = np.nan  # never read
+        return c.astype(NP_DTYPES[dtype])
+
+    return dict(
+        q=rng.standard_normal((batch, num_heads, head_dim)).astype(NP_DTYPES[dtype]),
+        k_cache=cache(), v_cache=cache(), block_tables=tables, context_lens=lens, used=used,
+        alibi_slopes=(2.0 ** -rng.uniform(0, 8, num_heads)).astype(np.float32),
+        sinks=rng.standard_normal(num_heads).astype(np.float32))
+
+
+def decode_inputs(dtype: str, layout: str) -> dict:
+    """The case's arrays with the block tables made local to the layout's batch shards."""
+    problem = dict(decode_problem(dtype))
+    shards = batch_shards(layout)
+    problem["block_tables"] = to_local(problem["block_tables"], problem.pop("used"), shards,
+                                       problem["k_cache"].shape[0] // shards)
+    return problem
+
+
+@functools.cache
+def write_problem(dtype: str, *, tokens=8, num_kv_heads=4, head_dim=16, block_size=4,
+                  blocks_per_pool=6):
+    """Caches and a chunk of tokens per pool; one padding token (slot -1) per pool."""
+    rng = np.random.default_rng(zlib.crc32(dtype.encode()) + 1)
+    per_pool = tokens // POOLS
+    slots_per_pool = blocks_per_pool * block_size
+    slots = np.concatenate([pool * slots_per_pool + rng.choice(slots_per_pool, per_pool, replace=False)
+                            for pool in range(POOLS)])
+    slots[::per_pool] = -1
+    cache_shape = (POOLS * blocks_per_pool, block_size, num_kv_heads, head_dim)
+    row_dtype = ml_dtypes.bfloat16 if dtype == "float8_e4m3fn" else NP_DTYPES[dtype]
+    new = lambda shape, t: rng.standard_normal(shape).astype(t)  # noqa: E731
+    return dict(k_cache=new(cache_shape, NP_DTYPES[dtype]), v_cache=new(cache_shape, NP_DTYPES[dtype]),
+                k=new((tokens, num_kv_heads, head_dim), row_dtype),
+                v=new((tokens, num_kv_heads, head_dim), row_dtype), slot_mapping=slots.astype(np.int32))
+
+
+def write_inputs(dtype: str, layout: str) -> dict:
+    """The case's arrays with the slots made local to the layout's batch shards."""
+    problem = dict(write_problem(dtype))
+    shards = batch_shards(layout)
+    slots = problem["slot_mapping"]
+    num_slots = problem["k_cache"].shape[0] * problem["k_cache"].shape[1]
+    problem["slot_mapping"] = to_local(slots, slots >= 0, shards, num_slots // shards)
+    return problem
+
+
+# ---------------------------------------------------------------------------------------- decode
+
+DECODE_CASES = {
+    # name -> (impl, dtype, extensions on, DecodeConfig for the Pallas kernel)
+    "xla-plain": ("xla", "float32", False, None),
+    "xla-ext": ("xla", "bfloat16", True, None),
+    "pallas-plain": ("pallas", "float32", False, pallas_paged.DecodeConfig(block_k=16)),
+    "pallas-ext-split": ("pallas", "bfloat16", True,
+                         pallas_paged.DecodeConfig(block_k=16, num_splits=2)),
+}
+# Every layout for the XLA path and the full-featured kernel case; the plain kernel once (Pallas
+# interpret mode compiles slowly on CPU).
+DECODE_GRID = ([(case, layout) for case in ("xla-plain", "xla-ext", "pallas-ext-split")
+                for layout in LAYOUTS] + [("pallas-plain", "tp4")])
+DECODE_ARGS = ("q", "k_cache", "v_cache", "block_tables", "context_lens")
+HEAD_ARRAYS = ("alibi_slopes", "sinks")
+
+
+def decode_static(case: str) -> dict:
+    impl, _, ext, config = DECODE_CASES[case]
+    static = dict(impl=impl, config=config)
+    if ext:
+        static.update(return_lse=True, logits_soft_cap=5.0)
+    return static
+
+
+@functools.cache
+def decode_reference(case: str):
+    """`decode` on one device, global block ids: ``out`` or ``(out, lse)`` as numpy."""
+    _, dtype, ext, _ = DECODE_CASES[case]
+    problem = decode_problem(dtype)
+    args = [problem[name] for name in DECODE_ARGS]
+    extras = {name: jnp.asarray(problem[name]) for name in HEAD_ARRAYS} if ext else {}
+    result = pallas_paged.decode(*args, **extras, **decode_static(case))
+    return jax.tree.map(np.asarray, result)
+
+
+@needs_devices
+@pytest.mark.parametrize(("case", "layout"), DECODE_GRID)
+def test_decode_matches_single_device(case, layout):
+    """Bitwise equal to `decode` on one device, from one compiled program with no collectives.
+
+    The ``-ext`` cases turn on return_lse, sinks, ALiBi and the soft cap (the head-indexed arrays
+    must be split with the heads); ``-split`` runs the kernel's split-K merge on every shard.
+    """
+    _, dtype, ext, _ = DECODE_CASES[case]
+    mesh = make_mesh(layout)
+    _, _, kv_axis, batch_axis = LAYOUTS[layout]
+    inputs = decode_inputs(dtype, layout)
+    shardings = sharding.decode_shardings(mesh, kv_axis=kv_axis, batch_axis=batch_axis)
+    args = [put(inputs[name], shardings, name) for name in DECODE_ARGS]
+    kwargs = {name: put(inputs[name], shardings, name) for name in HEAD_ARRAYS} if ext else {}
+    fn = sharding.shard_decode(mesh, kv_axis=kv_axis, batch_axis=batch_axis, **decode_static(case))
+    compiled = fn.lower(*args, **kwargs).compile()
+    assert_no_collectives(compiled)
+    result = compiled(*args, **kwargs)
+
+    expected = decode_reference(case)
+    if ext:
+        (out, lse), (expected, expected_lse) = result, expected
+        assert_bitwise_equal(lse, expected_lse, "lse")
+        assert_sharded(lse, shardings["lse"])
+    else:
+        out = result
+    assert_bitwise_equal(out, expected, "out")
+    assert_sharded(out, shardings["out"])
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
+@needs_devices
+def test_decode_head_arrays_given_at_construction():
+    """sinks / alibi_slopes passed to shard_decode are defaults of the returned function."""
+    inputs = decode_inputs("float32", "tp4")
+    extras = {name: jnp.asarray(inputs[name]) for name in HEAD_ARRAYS}
+    args = [inputs[name] for name in DECODE_ARGS]
+    fn = sharding.shard_decode(make_mesh("tp4"), impl="xla", **extras)
+    expected = pallas_paged.decode(*args, impl="xla", **extras)
+    assert_bitwise_equal(fn(*args), expected, "out")
+
+
+@needs_devices
+def test_shards_are_independent():
+    """A batch-parallel shard reads only its own pool, through ids local to it: shard 1 alone on its
+    slice of the cache gives its rows of the output, and NaN over device 0's whole pool leaves the
+    rows of devices 1-3 unchanged."""
+    inputs = decode_inputs("float32", "dp4")
+    q, kc, vc, tables, lens = (inputs[name] for name in DECODE_ARGS)
+    expected = decode_reference("xla-plain")
+    blocks_per_shard = kc.shape[0] // 4
+    rows, blocks = slice(2, 4), slice(blocks_per_shard, 2 * blocks_per_shard)
+    alone = pallas_paged.decode(q[rows], kc[blocks], vc[blocks], tables[rows], lens[rows], impl="xla")
+    assert_bitwise_equal(alone, expected[rows], "shard 1 alone")
+    mesh = make_mesh("dp4")
+    kc_poisoned = kc.copy()
+    kc_poisoned[:blocks_per_shard] = np.nan
+    fn = sharding.shard_decode(mesh, kv_axis=None, batch_axis="dp", impl="xla")
+    out = np.asarray(fn(q, kc_poisoned, vc, tables, lens))
+    assert_bitwise_equal(out[2:], expected[2:], "rows of devices 1-3")
+
+
+# ----------------------------------------------------------------------------------------- write
+
+WRITE_CASES = {
+    # name -> (impl, cache dtype, write_kv keywords)
+    "xla-fp32": ("xla", "float32", {}),
+    "xla-fp8": ("xla", "float8_e4m3fn", dict(k_scale=0.5, v_scale=0.25)),
+    "pallas-bf16": ("pallas", "bfloat16", {}),
+}
+# Every layout for the plain XLA write; fp8 and the Pallas kernel on the 2-D mesh (both axes).
+WRITE_GRID = ([("xla-fp32", layout) for layout in LAYOUTS]
+              + [("xla-fp8", "dp2xtp2"), ("pallas-bf16", "dp2xtp2")])
+
+
+@functools.cache
+def write_reference(case: str):
+    """`write_kv` on one device, global slots: ``(k_cache, v_cache)`` as numpy."""
+    impl, dtype, extra = WRITE_CASES[case]
+    p = write_problem(dtype)
+    result = pallas_paged.write_kv(p["k_cache"], p["v_cache"], p["k"], p["v"], p["slot_mapping"],
+                                   impl=impl, **extra)
+    return jax.tree.map(np.asarray, result)
+
+
+@needs_devices
+@pytest.mark.parametrize(("case", "layout"), WRITE_GRID)
+def test_write_kv_in_place_matches_single_device(case, layout):
+    """Bitwise equal to `write_kv` on one device (writing the same tokens twice changes nothing
+    more); the donated caches are consumed and every device's buffers reused; no collectives."""
+    impl, dtype, extra = WRITE_CASES[case]
+    mesh = make_mesh(layout)
+    _, _, kv_axis, batch_axis = LAYOUTS[layout]
+    inputs = write_inputs(dtype, layout)
+    shardings = sharding.write_shardings(mesh, kv_axis=kv_axis, batch_axis=batch_axis)
+    kc, vc, k, v, slots = (put(inputs[name], shardings, name)
+                           for name in ("k_cache", "v_cache", "k", "v", "slot_mapping"))
+    fn = sharding.shard_write_kv(mesh, kv_axis=kv_axis, batch_axis=batch_axis, impl=impl, **extra)
+    compiled = fn.lower(kc, vc, k, v, slots).compile()
+    assert_no_collectives(compiled)
+    new_k, new_v = compiled(kc, vc, k, v, slots)
+    assert kc.is_deleted() and vc.is_deleted()
+    assert_sharded(new_k, shardings["k_cache"])
+    # A second step (the same write again) on caches that XLA allocated: on CPU, device_put may
+    # wrap numpy's memory, which a donation cannot reuse, so the buffer check starts here.
+    pointers = [[s.data.unsafe_buffer_pointer() for s in x.addressable_shards] for x in (new_k, new_v)]
+    kc, vc = new_k, new_v
+    new_k, new_v = compiled(kc, vc, k, v, slots)
+    assert kc.is_deleted() and vc.is_deleted()
+    assert [[s.data.unsafe_buffer_pointer() for s in x.addressable_shards] for x in (new_k, new_v)] == pointers
+    expected_k, expected_v = write_reference(case)
+    assert_bitwise_equal(new_k, expected_k, "k_cache")
+    assert_bitwise_equal(new_v, expected_v, "v_cache")
+
+
+# -------------------------------------------------------------------------------------- failures
+
+def decode_arrays(batch=8, num_heads=12, num_kv_heads=4, num_blocks=48, block_size=4):
+    f = jnp.float32
+    return (jnp.zeros((batch, num_heads, 16), f),
+            jnp.zeros((num_blocks, block_size, num_kv_heads, 16), f),
+            jnp.zeros((num_blocks, block_size, num_kv_heads, 16), f),
+            jnp.zeros((batch, 5), jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+
+def write_arrays(tokens=8, num_kv_heads=4, num_blocks=24):
+    cache = jnp.zeros((num_blocks, 4, num_kv_heads, 16), jnp.float32)
+    rows = jnp.zeros((tokens, num_kv_heads, 16), jnp.float32)
+    return cache, cache, rows, rows, jnp.full((tokens,), -1, jnp.int32)
+
+
+@needs_devices
+@pytest.mark.parametrize(("layout", "arrays", "match"), [
+    ("tp4", dict(num_heads=6, num_kv_heads=6),
+     r"num_kv_heads=6 must be divisible by the size of mesh axis 'tp' \(4\).*k_cache.shape=\(48, 4, 6, 16\)"),
+    ("dp4", dict(batch=6), r"batch=6 must be divisible by the size of mesh axis 'dp' \(4\).*q.shape=\(6, 12, 16\)"),
+    ("dp4", dict(num_blocks=50), r"num_blocks=50 must be divisible by .*'dp' \(4\)"),
+    ("dp2xtp2", dict(num_heads=9, num_kv_heads=3), r"num_kv_heads=3 .* 'tp' \(2\).*'dp': 2, 'tp': 2"),
+    ("tp4", dict(num_heads=10), r"num_heads must be a multiple of num_kv_heads"),
+])
+def test_decode_rejects_indivisible_shapes(layout, arrays, match):
+    mesh = make_mesh(layout)
+    _, _, kv_axis, batch_axis = LAYOUTS[layout]
+    fn = sharding.shard_decode(mesh, kv_axis=kv_axis, batch_axis=batch_axis, impl="xla")
+    with pytest.raises(ValueError, match=match):
+        fn(*decode_arrays(**arrays))
+
+
+@needs_devices
+@pytest.mark.parametrize(("layout", "arrays", "match"), [
+    ("tp4", dict(num_kv_heads=2), r"num_kv_heads=2 must be divisible by the size of mesh axis 'tp' \(4\)"),
+    ("dp4", dict(tokens=6), r"num_tokens=6 must be divisible by .*'dp' \(4\).*slot_mapping.shape=\(6,\)"),
+    ("dp4", dict(num_blocks=10), r"num_blocks=10 must be divisible by .*'dp' \(4\)"),
+])
+def test_write_rejects_indivisible_shapes(layout, arrays, match):
+    mesh = make_mesh(layout)
+    _, _, kv_axis, batch_axis = LAYOUTS[layout]
+    fn = sharding.shard_write_kv(mesh, kv_axis=kv_axis, batch_axis=batch_axis, impl="xla")
+    with pytest.raises(ValueError, match=match):
+        fn(*write_arrays(**arrays))
+
+
+@needs_devices
+@pytest.mark.parametrize("make", [sharding.shard_decode, sharding.shard_write_kv])
+@pytest.mark.parametrize(("axes", "match"), [
+    (dict(kv_axis="model"), r"kv_axis='model' is not an axis of the mesh: mesh axes \{'dp': 2, 'tp': 2\}"),
+    (dict(kv_axis="tp", batch_axis="data"), r"batch_axis='data' is not an axis of the mesh"),
+    (dict(kv_axis=None), r"kv_axis and batch_axis are both None"),
+    (dict(kv_axis="tp", batch_axis="tp"), r"must be different mesh axes"),
+    (dict(impl="xla", block_size=16), r"unknown .* keyword\(s\) \['block_size'\]"),
+])
+def test_bad_mesh_axes_and_keywords(make, axes, match):
+    with pytest.raises(ValueError, match=match):
+        make(make_mesh("dp2xtp2"), **axes)
+
+
+@needs_devices
+def test_collective_detector_sees_a_psum():
+    """The HLO check is not vacuous: a program that does reduce across devices is caught."""
+    mesh = make_mesh("tp4")
+    fn = jax.jit(jax.shard_map(functools.partial(jax.lax.psum, axis_name="tp"), mesh=mesh, in_specs=P("tp"),
+                               out_specs=P()))
+    x = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("tp")))
+    assert "all-reduce" in sharding.collectives_in(fn.lower(x).compile().as_text())
+
+
+# ------------------------------------------------------------------------------ 4-device process
+
+def _count_multi_device_tests() -> int:
+    """How many test cases carry `needs_devices` (the parametrized ones counted per case)."""
+    marked = [obj for name, obj in globals().items()
+              if name.startswith("test_") and needs_devices.mark in getattr(obj, "pytestmark", [])]
+    total = 0
+    for obj in marked:
+        cases = 1
+        for mark in obj.pytestmark:
+            if mark.name == "parametrize":
+                cases *= len(mark.args[1])
+        total += cases
+    return total
+
+
+@pytest.mark.skipif(IN_CHILD or HAVE_DEVICES,
+                    reason="this process has the devices: the multi-device tests ran in place")
+def test_multi_device_checks_in_subprocess():
+    """Run this file in a fresh CPU process with 4 virtual devices; every test there must pass."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={NUM_DEVICES}").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env[CHILD_ENV] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
+           "-k", "not test_multi_device_checks_in_subprocess"]
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    report = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, f"the 4-device run failed:\n{report}"
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    expected = _count_multi_device_tests()
+    assert passed and int(passed.group(1)) == expected, f"expected {expected} passed:\n{report}"
+    assert "skipped" not in proc.stdout.splitlines()[-1], report
