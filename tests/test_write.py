@@ -18,25 +18,26 @@ IMPLS = ("xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 
 
-def draw_write(rng, *, num_blocks=6, block_size=4, kvh=2, head_dim=16, num_tokens=9,
+def draw_write(rng, *, num_blocks=6, block_size=4, kvh=2, head_dim=32, num_tokens=9,
                num_padding=3, dtype="float32"):
     """A cache full of random values, and tokens for distinct random slots, some of them -1."""
     shape = (num_blocks, block_size, kvh, head_dim)
     cache_dtype = NP_DTYPES[dtype]
-    new_dtype = np.float32 if dtype == "float8_e4m3fn" else cache_dtype
+    # fp8 caches take bf16 tokens: few mantissa bits, so x / scale often lands exactly on a tie.
+    new_dtype = NP_DTYPES["bfloat16"] if dtype == "float8_e4m3fn" else cache_dtype
     k_cache = rng.standard_normal(shape).astype(cache_dtype)
     v_cache = rng.standard_normal(shape).astype(cache_dtype)
     slots = rng.choice(num_blocks * block_size, num_tokens, replace=False).astype(np.int32)
     slots[rng.choice(num_tokens, num_padding, replace=False)] = -1
-    scale = 1.0 if dtype != "float8_e4m3fn" else 1 / 64
-    k = (rng.standard_normal((num_tokens, kvh, head_dim)) / scale).astype(new_dtype)
-    v = (rng.standard_normal((num_tokens, kvh, head_dim)) / scale).astype(new_dtype)
+    k = rng.standard_normal((num_tokens, kvh, head_dim)).astype(new_dtype)
+    v = rng.standard_normal((num_tokens, kvh, head_dim)).astype(new_dtype)
     return k_cache, v_cache, k, v, slots
 
 
 def fp8_scales(dtype):
-    # Not powers of two: x / s and x * (1 / s) round differently, and only the division is right.
-    return dict(k_scale=0.37, v_scale=1.3) if dtype == "float8_e4m3fn" else {}
+    # With bf16 tokens, x / 0.03 lands on fp8 rounding ties often enough that x * (1 / 0.03), which
+    # rounds differently, stores other bits in about 1% of the elements: only the division is right.
+    return dict(k_scale=0.03, v_scale=0.3) if dtype == "float8_e4m3fn" else {}
 
 
 def write_torch(k_cache, v_cache, k, v, slots, **scales):
@@ -48,7 +49,8 @@ def write_torch(k_cache, v_cache, k, v, slots, **scales):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bit_exact_against_torch_ref(rng, impl, dtype):
-    k_cache, v_cache, k, v, slots = draw_write(rng, dtype=dtype)
+    k_cache, v_cache, k, v, slots = draw_write(rng, num_blocks=16, num_tokens=60, num_padding=5,
+                                               dtype=dtype)
     scales = fp8_scales(dtype)
     expected_k, expected_v = write_torch(k_cache, v_cache, k, v, slots, **scales)
     got_k, got_v = pp.write_kv(*map(jnp.asarray, (k_cache, v_cache, k, v, slots)), impl=impl,
