@@ -1,0 +1,1381 @@
+"""Benchmark: paged decode and the cache write, as a fraction of the copy bandwidth of the same run.
+
+Run ``python -m pallas_paged.bench [--shapes NAMES|all] [--impls ...] [--tune] [--json PATH]
+[--plot PATH] [--smoke]``. For each shape of `pallas_paged.shapes` it measures, in one process:
+
+- ``pallas``: ``decode(..., impl="pallas")`` with the config ``decode`` would pick itself (the tuned
+  table's entry, else the heuristic); with ``--tune``, a bounded sweep of `DecodeConfig` candidates.
+- ``xla``: ``decode(..., impl="xla")``; skipped when its gathered fp32 K/V would exceed ~30 GB.
+- ``jax_paged_attention``: JAX's ``jax.experimental.pallas.ops.gpu.paged_attention``, its best over
+  a few valid configs. Its layout (``[num_kv_heads, total_num_pages, page_size, head_dim]``), its
+  pre-scaled queries (it applies no softmax scale) and, for fp8, its per-token scale arrays are
+  built outside the timed region. It has no sliding window: skipped for windowed shapes.
+- ``write``: ``write_kv`` of a decode step (``batch`` tokens) and of a prefill (16384 tokens), for
+  ``impl="xla"`` and ``impl="pallas"``, jitted with the caches donated and fed back, so the
+  buffers are updated in place. Measured once per distinct (dtype, kv heads, head_dim, block size
+  [, batch]).
+
+Method:
+
+- Copy bandwidth: a jitted 4 GiB device-to-device copy and a bitwise-not (which XLA cannot elide),
+  bytes read + written over the median time, the larger of the two; measured at the start (the
+  reference of every fraction) and again at the end (a drift check).
+- Timing: compilation, a correctness call and ~30 ms of warm-up calls outside the clock; then
+  ``--repeats`` windows, each ``N`` back-to-back calls followed by ``block_until_ready``, ``N``
+  chosen so a window lasts about ``--window-ms``; the median over windows of window time /
+  (``N`` * operations per call).
+- Small problems (K/V read per call < 4x the 60 MB L2) rotate among several copies of their inputs
+  (own queries, own physical blocks in one shared cache), so no call re-reads what the previous
+  one left in L2. To keep host dispatch (~10 us) out of such short kernels, one call then runs
+  ``reps`` operations in an on-device ``fori_loop`` over the copies ("loop" mode; each iteration
+  also slices its copy's q and block table, whose cost ``loop_overhead_us`` reports). Problems
+  large enough to need no rotation are timed one operation per dispatch ("dispatch" mode).
+  Writes always run ``reps`` writes per call in a ``fori_loop`` on the donated caches: a prefill
+  write rotates among 4 disjoint sets of whole blocks; a decode-step write repeats its slots
+  (slicing a rotation would launch a kernel as costly as the write itself).
+- Bandwidth: decode bytes = the K/V rows that must be read (``sum_b min(n_b, W) * KVH * D *
+  itemsize * 2``) + q + output; write bytes = bytes written (``tokens * KVH * D * itemsize * 2``)
+  and, as a second figure, bytes read + written (k, v rows and slots read, cache rows written).
+- Correctness: every decode variant's output (of the last copy) is compared with ``impl="xla"``'s,
+  or, when that is not run, with a float32 XLA computation on a subset of the batch; NaN or a
+  relative L2 error above ``REL_TOL`` marks it WRONG and it can never be "best". Writes are checked
+  bit for bit at the written slots.
+
+Every variant is isolated: a compile or run error is recorded in the JSON and the table, and the
+run goes on. The JSON is rewritten after every shape, so an interrupted run keeps what it measured
+(``--resume`` then skips those shapes). ``--smoke`` runs the tiny `SMALL_SHAPES` on any backend
+(Pallas interpret mode on a CPU) with minimal repetitions: it checks the plumbing, not the speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import functools
+import importlib.metadata
+import json
+import math
+import os
+import platform as host_platform
+import signal
+import statistics
+import sys
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_paged import tuned
+from pallas_paged.config import DecodeConfig, get_heuristic_config
+from pallas_paged.decode import decode, decode_shape
+from pallas_paged.platform import has_gpu, next_power_of_2, sm_count
+from pallas_paged.shapes import (ALL_SHAPES, SHAPE_GROUPS, SMALL_SHAPES, DecodeBenchShape,
+                                 make_decode_inputs, random_normal, rotation_copies,
+                                 shape_by_name)
+from pallas_paged.write import quantize_fp8, write_kv
+
+IMPLS = ("pallas", "xla", "jax_paged_attention", "write")
+DECODE_IMPLS = ("pallas", "xla", "jax_paged_attention")
+L2_BYTES = 60e6                 # H200 L2
+ROTATE_BYTES = 4 * L2_BYTES     # below this much K/V per call, rotate among input copies
+MAX_COPIES = 8
+XLA_LIMIT_BYTES = 30e9          # skip impl="xla" when its gathered fp32 K/V would exceed this
+PREFILL_TOKENS = 16384
+COPY_BYTES = 4 * 2**30
+REL_TOL = 2e-2                  # relative L2 error above which an output is WRONG (bf16: ~4e-3)
+REF_ROWS = 8                    # batch rows of the float32 subset reference
+SMEM_BYTES = 220 * 1024         # prune tune candidates whose K/V tiles alone exceed this
+JAX_PA_BLOCK_H = 16
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    windows: int = 7             # timed windows per variant (the median is reported)
+    window_s: float = 0.010      # target duration of one window
+    warmup_s: float = 0.03       # untimed calls before the windows
+    min_calls: int = 3
+    max_calls: int = 2000
+    loop_ops: int = 16           # loop mode: at least this many operations per dispatch
+    write_step_reps: int = 64    # writes per call, decode-step write (a few us each)
+    write_prefill_reps: int = 4  # writes per call, prefill write
+    prefill_tokens: int = PREFILL_TOKENS
+    copy_bytes: int = COPY_BYTES
+    jax_configs: int = 6         # JAX paged_attention configs per shape
+    max_tune_configs: int = 24   # tune candidates per shape (besides the default config)
+    compile_threads: int = 1     # >1: compile a shape's Pallas variants in threads
+    copies: int = 0              # 0: automatic (rotation rule); else forced
+    max_copies: int = MAX_COPIES
+    interpret: bool = False      # Pallas interpret mode (no GPU)
+    seed: int = 0
+
+
+def smoke_settings(base: Settings) -> Settings:
+    return dataclasses.replace(base, windows=2, window_s=0.0, warmup_s=0.0, min_calls=1,
+                               max_calls=1, loop_ops=1, write_step_reps=2, write_prefill_reps=2,
+                               prefill_tokens=64, copy_bytes=16 * 2**20, jax_configs=1,
+                               max_tune_configs=3, max_copies=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+
+
+@dataclasses.dataclass
+class Timing:
+    median_us: float
+    min_us: float
+    max_us: float
+    windows_us: list
+    calls_per_window: int
+    ops_per_call: int
+
+
+def measure(step, ops_per_call: int, s: Settings) -> Timing:
+    """Time ``step`` (one dispatch, returning what to block on) as described in the module doc.
+
+    Warm-up: batches of 1, 2, 4, ... calls until ``s.warmup_s`` has passed (clocks up, allocator
+    and caches warm; compilation happened before); the last batch estimates the time per call,
+    which sets the calls per window. Only the last output of a batch is blocked on: calls on one
+    device run in order, and earlier outputs may already be donated (writes).
+    """
+    batch, spent = 1, 0.0
+    while True:
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(batch):
+            out = step()
+        jax.block_until_ready(out)
+        elapsed = time.perf_counter() - t0
+        spent += elapsed
+        per_call = max(elapsed / batch, 1e-7)
+        if spent >= s.warmup_s or batch >= s.max_calls:
+            break
+        batch *= 2
+    calls = int(min(s.max_calls, max(s.min_calls, math.ceil(s.window_s / per_call))))
+    per_op = []
+    for _ in range(s.windows):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = step()
+        jax.block_until_ready(out)
+        per_op.append((time.perf_counter() - t0) / (calls * ops_per_call))
+    us = [t * 1e6 for t in per_op]
+    return Timing(median_us=statistics.median(us), min_us=min(us), max_us=max(us),
+                  windows_us=[round(u, 3) for u in us], calls_per_window=calls,
+                  ops_per_call=ops_per_call)
+
+
+def _error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    return text if len(text) <= 2000 else text[:2000] + " ..."
+
+
+def _short(text: str, n: int = 60) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= n else line[: n - 3] + "..."
+
+
+# ----------------------------------------------------------------------------------------------
+# Copy bandwidth
+
+
+def measure_copy_bandwidth(nbytes: int, s: Settings) -> dict:
+    """Device-to-device copy bandwidth (bytes read + written per second) of a jitted copy and of a
+    jitted bitwise-not over ``nbytes`` of uint32 (which XLA cannot elide); ``tbps`` is the larger.
+    Never raises: failures are recorded and ``tbps`` is then NaN."""
+    n = max(1024, nbytes // 4)
+    result = {"bytes": 4 * n}
+    try:
+        x = jax.jit(lambda: jax.lax.iota(jnp.uint32, n) * jnp.uint32(2654435761))()
+        jax.block_until_ready(x)
+        sample = np.r_[0:512, n - 512:n]
+        x_sample = np.asarray(x[sample])
+    except Exception as e:  # noqa: BLE001
+        result.update(error=_error(e), tbps=float("nan"))
+        return result
+    for name, fn, expect in (("copy", jnp.copy, x_sample), ("not", jnp.bitwise_not, ~x_sample)):
+        try:
+            compiled = jax.jit(fn).lower(x).compile()
+            y = compiled(x)
+            if y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer():
+                raise RuntimeError(f"jitted {name} returned its input buffer: nothing was copied")
+            if not np.array_equal(np.asarray(y[sample]), expect):
+                raise RuntimeError(f"jitted {name} produced wrong values")
+            del y
+            # At most 4 calls in flight: each holds a fresh output of nbytes.
+            timing = measure(lambda: compiled(x), 1, dataclasses.replace(s, max_calls=4))
+            result[name] = {"median_us": timing.median_us, "windows_us": timing.windows_us,
+                            "tbps": 2 * 4 * n / (timing.median_us * 1e-6) / 1e12}
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            result[name] = {"error": _error(e)}
+    x.delete()
+    rates = [result[k]["tbps"] for k in ("copy", "not") if "tbps" in result[k]]
+    result["tbps"] = max(rates) if rates else float("nan")
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Variants: a jitted function, its arguments, and what one call does
+
+
+@dataclasses.dataclass
+class Variant:
+    impl: str                      # pallas, pallas_tune, xla, jax_paged_attention, ref, probe,
+                                   # write_xla, write_pallas
+    label: str                     # config or size, for humans
+    fn: object                     # the jitted function
+    args: tuple
+    ops_per_call: int = 1
+    config: dict | None = None
+    pooled: bool = True            # may compile in a thread (no XLA autotuning inside)
+    compiled: object = None
+    compile_s: float | None = None
+    error: str | None = None
+
+
+def compile_all(variants: list[Variant], threads: int) -> None:
+    """AOT-compile every variant (``lower().compile()``), recording errors per variant.
+
+    With ``threads > 1``, variants made of Pallas kernels, scatters and elementwise work compile
+    in a thread pool; variants with dots (``impl="xla"``, references) always compile one at a
+    time in this thread, first, since XLA autotunes their GEMMs on the device. The default is one
+    thread: recent jaxlibs compile Pallas' Triton IR while lowering, under the GIL, so threads gain
+    little there.
+    """
+
+    def work(v: Variant):
+        t0 = time.perf_counter()
+        try:
+            v.compiled = v.fn.lower(*v.args).compile()
+        except Exception as e:  # noqa: BLE001 - recorded per variant
+            v.error = _error(e)
+        v.compile_s = round(time.perf_counter() - t0, 3)
+
+    todo = [v for v in variants if v.compiled is None and v.error is None]
+    for v in [v for v in todo if not v.pooled]:
+        work(v)
+    todo = [v for v in todo if v.pooled]
+    if threads <= 1 or len(todo) <= 1:
+        for v in todo:
+            work(v)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(min(threads, len(todo))) as pool:
+            list(pool.map(work, todo))
+
+
+def repeated(call, copies: int, reps: int, out_shape, out_dtype):
+    """A jitted ``f(qs, k, v, tables, lens, *extra)``: ``reps`` calls of ``call`` in a fori_loop,
+    iteration ``i`` on copy ``i % copies``; returns the last output, that of copy
+    ``(reps - 1) % copies``."""
+
+    def run(qs, k, v, tables, lens, *extra):
+        def body(i, out):
+            del out
+            j = i % copies
+            return call(qs[j], k, v, tables[j], lens, *extra)
+
+        return jax.lax.fori_loop(0, reps, body, jnp.zeros(out_shape, out_dtype))
+
+    return jax.jit(run)
+
+
+def loop_probe(copies: int, reps: int, out_shape, out_dtype):
+    """The loop of `repeated` with a body that only slices its copy's q and table: its time per
+    iteration is the loop-mode overhead included in every loop-mode figure."""
+
+    def run(qs, tables):
+        def body(i, out):
+            j = i % copies
+            t = tables[j][:, :1, None].astype(out_dtype)
+            return out * 0 + qs[j].astype(out_dtype) + t
+
+        return jax.lax.fori_loop(0, reps, body, jnp.zeros(out_shape, out_dtype))
+
+    return jax.jit(run)
+
+
+# ----------------------------------------------------------------------------------------------
+# Correctness
+
+
+def compare(out, ref) -> dict:
+    """Max abs and relative L2 error of ``out`` against ``ref`` (float32 on the host)."""
+    o = np.asarray(out).astype(np.float32)
+    r = np.asarray(ref).astype(np.float32)
+    finite = bool(np.isfinite(o).all())
+    diff = np.abs(o - r)
+    max_abs = float(np.nanmax(diff)) if diff.size and not np.isnan(diff).all() else float("nan")
+    denom = float(np.linalg.norm(r))
+    rel = float(np.linalg.norm(np.nan_to_num(o - r, nan=np.inf))) / max(denom, 1e-30)
+    ok = finite and bool(np.isfinite(rel)) and rel <= REL_TOL
+    return {"max_abs_err": max_abs, "rel_err": rel, "nan": not finite, "correct": ok}
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode variants
+
+
+def _decode_fn(impl, *, config=None, k_scale=None, v_scale=None, window=None, interpret=None):
+    return functools.partial(decode, impl=impl, config=config, k_scale=k_scale, v_scale=v_scale,
+                             sliding_window=window, interpret=interpret)
+
+
+def config_label(c: DecodeConfig) -> str:
+    return f"bk{c.block_k}/s{c.num_splits}/w{c.num_warps}/st{c.num_stages}"
+
+
+JAX_PA_DEFAULT = (16, 8, 8)  # paged_attention's defaults: k_splits, pages_per_compute_block, warps
+
+
+def jax_pa_configs(shape: DecodeBenchShape, pages_per_seq: int, limit: int, sms: int) -> list:
+    """Valid configs of JAX's paged_attention, most promising first, at most ``limit``.
+
+    Valid: ``pages_per_seq % k_splits == 0``, the partition a multiple of the compute block, and
+    the compute block a power of two. JAX's own default comes first when valid (the out-of-the-box
+    baseline); the rest are ranked by a score (about two programs per SM or more, a K tile of about
+    32 KiB, 4 warps for small tiles), with a penalty for repeating a k_splits or page count
+    already chosen, so that a short sweep still spans both axes.
+    """
+    head_blocks = -(-shape.group // JAX_PA_BLOCK_H)
+    itemsize = max(2, shape.cache_itemsize)
+    scored = {}
+    for k_splits in (1, 4, 8, 16):
+        if pages_per_seq % k_splits:
+            continue
+        per_partition = pages_per_seq // k_splits
+        for ppcb in (4, 8, 16):
+            eff = min(per_partition, ppcb)
+            if per_partition % eff or eff & (eff - 1):  # Triton tiles are powers of two
+                continue
+            programs = shape.batch * shape.num_kv_heads * head_blocks * k_splits
+            tile = eff * shape.block_size * shape.head_dim * itemsize
+            fill = math.log2(programs / (2 * sms))
+            score = (-1.5 * fill if fill < 0 else 0.5 * fill) + abs(math.log2(tile / 32768))
+            for warps in (4, 8):
+                preferred = 4 if tile <= 32768 else 8
+                key = (k_splits, eff, warps)
+                total = score + (0 if warps == preferred else 0.5)
+                scored[key] = min(total, scored.get(key, math.inf))
+    ks, ppcb, warps = JAX_PA_DEFAULT
+    default = (ks, min(ppcb, pages_per_seq // ks), warps)  # it clamps the block to the partition
+    chosen = [default] if default in scored and limit > 0 else []
+    while len(chosen) < min(limit, len(scored)):
+        def penalized(key):
+            same = [sum(key[i] == c[i] for c in chosen) for i in range(3)]
+            return scored[key] + 0.6 * same[0] + 0.3 * same[1] + 0.2 * same[2]
+        chosen.append(min((k for k in scored if k not in chosen), key=penalized))
+    return [dict(block_h=JAX_PA_BLOCK_H, pages_per_compute_block=eff, k_splits=ks,
+                 num_warps=w, num_stages=2) for ks, eff, w in chosen]
+
+
+def _jax_pa_call(jax_pa, config: dict, interpret: bool):
+    def call(q, k_pages, v_pages, tables, lens, *scales):
+        return jax_pa.paged_attention(q, k_pages, v_pages, tables, lens, *scales,
+                                      interpret=interpret, **config)
+
+    return call
+
+
+def _tile_bytes(block_k: int, shape: DecodeBenchShape, stages: int) -> int:
+    return 2 * block_k * next_power_of_2(shape.head_dim) * max(2, shape.cache_itemsize) * max(
+        1, stages - 1)
+
+
+def tune_stage1(shape: DecodeBenchShape, base: DecodeConfig, heuristic: DecodeConfig) -> list:
+    """block_k x num_splits around the heuristic, warps and stages of the base config."""
+    eff_len = min(shape.capacity, shape.sliding_window or shape.capacity)
+    out = []
+    for block_k in (16, 32, 64, 128):
+        if block_k > max(16, next_power_of_2(eff_len)):
+            continue
+        if _tile_bytes(block_k, shape, base.num_stages) > SMEM_BYTES:
+            continue
+        tiles = max(1, eff_len // block_k)
+        h = heuristic.num_splits
+        for splits in sorted({max(1, h // 2), h, min(64, 2 * h)}):
+            if splits > tiles:
+                continue
+            out.append(DecodeConfig(block_k, splits, base.num_warps, base.num_stages))
+    return out
+
+
+def tune_stage2(shape: DecodeBenchShape, best: DecodeConfig) -> list:
+    """num_warps x num_stages at the best (block_k, num_splits)."""
+    return [DecodeConfig(best.block_k, best.num_splits, w, st) for w in (4, 8)
+            for st in (1, 2, 3, 4) if _tile_bytes(best.block_k, shape, st) <= SMEM_BYTES]
+
+
+def tune_stage3(ranked: list, best: DecodeConfig) -> list:
+    """The runners-up (block_k, num_splits) of stage 1 with the best warps and stages."""
+    out = []
+    for c in ranked:
+        if (c.block_k, c.num_splits) != (best.block_k, best.num_splits):
+            out.append(DecodeConfig(c.block_k, c.num_splits, best.num_warps, best.num_stages))
+        if len(out) == 3:
+            break
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# One shape
+
+
+class ShapeBench:
+    """Everything measured on one shape; results are plain dicts (the JSON rows)."""
+
+    def __init__(self, shape: DecodeBenchShape, impls, s: Settings, copy_tbps: float,
+                 tune: bool, sms: int):
+        self.shape, self.impls, self.s, self.copy_tbps, self.tune = shape, impls, s, copy_tbps, tune
+        self.sms = sms
+        self.rows: list[dict] = []
+        self.record: dict = {"name": shape.name, "shape": dataclasses.asdict(shape),
+                             "describe": shape.describe(), "status": "started",
+                             "copy_tbps": copy_tbps}
+        self.ref = None
+        self.ref_kind = None
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def _row(self, v: Variant, **extra) -> dict:
+        row = {"shape": self.shape.name, "impl": v.impl, "label": v.label, "config": v.config,
+               "compile_s": v.compile_s, "status": "ok"}
+        row.update(extra)
+        if v.error is not None:
+            row["status"], row["error"] = "error", v.error
+        return row
+
+    def _add_timing(self, row: dict, t: Timing, nbytes: float, rw_bytes: float | None = None):
+        row.update(median_us=t.median_us, min_us=t.min_us, max_us=t.max_us,
+                   windows_us=t.windows_us, calls_per_window=t.calls_per_window,
+                   ops_per_call=t.ops_per_call, bytes=nbytes,
+                   tbps=nbytes / (t.median_us * 1e-6) / 1e12)
+        row["frac_copy_bw"] = row["tbps"] / self.copy_tbps
+        if rw_bytes is not None:
+            row["rw_bytes"] = rw_bytes
+            row["rw_tbps"] = rw_bytes / (t.median_us * 1e-6) / 1e12
+            row["rw_frac_copy_bw"] = row["rw_tbps"] / self.copy_tbps
+
+    @staticmethod
+    def _print(row: dict):
+        if row.get("status") == "ok" and "median_us" in row:
+            extra = ""
+            if "rel_err" in row:
+                extra = f" rel_err={row['rel_err']:.1e}" + ("" if row["correct"] else " WRONG")
+            if "write_ok" in row:
+                extra = f" written_ok={row['write_ok']} donated={row.get('donated')}"
+            print(f"    {row['impl']:<22} {row['label']:<26} {row['median_us']:10.2f} us"
+                  f" {row['tbps']:6.3f} TB/s ({row['frac_copy_bw']:.2f} of copy){extra}",
+                  flush=True)
+        else:
+            print(f"    {row['impl']:<22} {row['label']:<26} {row['status'].upper()}:"
+                  f" {_short(row.get('error') or row.get('reason', ''), 100)}", flush=True)
+
+    # -- decode ---------------------------------------------------------------------------------
+
+    def run(self, write_keys_done: set) -> tuple[dict, list]:
+        shape, s = self.shape, self.s
+        copies = s.copies or rotation_copies(shape, min_bytes=ROTATE_BYTES,
+                                             max_copies=s.max_copies)
+        mode = "loop" if copies > 1 else "dispatch"
+        reps = copies * max(1, math.ceil(s.loop_ops / copies)) if mode == "loop" else 1
+        self.copies, self.mode, self.reps = copies, mode, reps
+        t0 = time.perf_counter()
+        inputs = make_decode_inputs(shape, s.seed, copies=copies)
+        jax.block_until_ready((inputs.q, inputs.k_cache, inputs.v_cache))
+        tokens = inputs.tokens_read()
+        q_bytes = shape.batch * shape.num_heads * shape.head_dim * jnp.dtype(
+            shape.query_dtype).itemsize
+        self.decode_bytes = tokens * shape.kv_bytes_per_token + 2 * q_bytes
+        self.record.update(copies=copies, mode=mode, reps_per_call=reps, tokens_read=tokens,
+                           decode_bytes=self.decode_bytes, num_blocks=inputs.num_blocks,
+                           cache_bytes=2 * inputs.k_cache.size * shape.cache_itemsize,
+                           inputs_s=round(time.perf_counter() - t0, 3))
+        print(f"[{shape.name}] {shape.describe()}: {copies} cop{'y' if copies == 1 else 'ies'},"
+              f" {mode} mode, {self.decode_bytes / 1e6:.1f} MB read per call", flush=True)
+        try:
+            if any(i in self.impls for i in DECODE_IMPLS):
+                self._decode(inputs)
+            if "write" in self.impls:
+                self._writes(inputs, write_keys_done)
+        finally:
+            for x in (inputs.q, inputs.k_cache, inputs.v_cache):
+                if not x.is_deleted():
+                    x.delete()
+        stats = jax.devices()[0].memory_stats() or {}
+        if "peak_bytes_in_use" in stats:  # of the process so far: jax cannot reset it
+            self.record["peak_bytes_in_use_so_far"] = int(stats["peak_bytes_in_use"])
+        self.record["status"] = "done"
+        self.record["results"] = [r for r in self.rows if r.get("kind") != "write"]
+        return self.record, [r for r in self.rows if r.get("kind") == "write"]
+
+    def _decode_args(self, inputs, q=None, tables=None):
+        """Arguments of a decode-like call: one copy (dispatch) or all stacked (loop)."""
+        q = inputs.q if q is None else q
+        tables = inputs.block_tables if tables is None else tables
+        if self.mode == "dispatch":
+            return (q[0], inputs.k_cache, inputs.v_cache, tables[0], inputs.context_lens)
+        return (q, inputs.k_cache, inputs.v_cache, tables, inputs.context_lens)
+
+    def _wrap(self, call, out_dtype):
+        shape = self.shape
+        out_shape = (shape.batch, shape.num_heads, shape.head_dim)
+        if self.mode == "dispatch":
+            return jax.jit(call)
+        return repeated(call, self.copies, self.reps, out_shape, out_dtype)
+
+    def _decode_variant(self, impl, label, call, args, config=None) -> Variant:
+        fn = self._wrap(call, jnp.dtype(self.shape.query_dtype))
+        return Variant(impl=impl, label=label, fn=fn, args=args, ops_per_call=self.reps,
+                       config=config)
+
+    def _ours(self, inputs, config: DecodeConfig, impl="pallas") -> Variant:
+        shape = self.shape
+        call = _decode_fn("pallas", config=config, k_scale=inputs.k_scale, v_scale=inputs.v_scale,
+                          window=shape.sliding_window, interpret=self.s.interpret or None)
+        return self._decode_variant(impl, config_label(config), call, self._decode_args(inputs),
+                                    dataclasses.asdict(config))
+
+    def _decode(self, inputs):
+        shape, s = self.shape, self.s
+        last = self.copies - 1
+        q0, k0, _, t0, _ = inputs.args(0)
+        facts = decode_shape(q0, k0, t0)
+        default_cfg = tuned.lookup(facts, self.sms)
+        heuristic = get_heuristic_config(facts, self.sms)
+        self.record.update(shape_class=list(tuned.shape_class(facts)),
+                           default_config=dataclasses.asdict(default_cfg),
+                           heuristic_config=dataclasses.asdict(heuristic),
+                           default_from_table=self.sms == tuned.TUNED_ON
+                           and tuned.shape_class(facts) in tuned.TUNED)
+        variants: list[Variant] = []
+        skipped: list[dict] = []
+        if "pallas" in self.impls or self.tune:
+            variants.append(self._ours(inputs, default_cfg))
+        xla_variant = None
+        if "xla" in self.impls:
+            need = 2 * shape.batch * shape.capacity * shape.num_kv_heads * shape.head_dim * 4
+            if need > XLA_LIMIT_BYTES:
+                skipped.append({"impl": "xla", "label": "-", "status": "skipped",
+                                "reason": f"gathered fp32 K/V would be {need / 1e9:.0f} GB"})
+            else:
+                call = _decode_fn("xla", k_scale=inputs.k_scale, v_scale=inputs.v_scale,
+                                  window=shape.sliding_window)
+                xla_variant = self._decode_variant("xla", "-", call, self._decode_args(inputs))
+                xla_variant.pooled = False
+                variants.append(xla_variant)
+        # The float32 reference on a subset of the last copy's rows, unless xla's output serves.
+        rows = min(shape.batch, REF_ROWS)
+        ref_args = (inputs.q[last][:rows].astype(jnp.float32), inputs.k_cache, inputs.v_cache,
+                    inputs.block_tables[last][:rows], inputs.context_lens[:rows])
+        ref_fn = jax.jit(_decode_fn("xla", k_scale=inputs.k_scale, v_scale=inputs.v_scale,
+                                    window=shape.sliding_window))
+        ref_variant = Variant(impl="ref", label=f"f32 rows 0..{rows - 1}", fn=ref_fn,
+                              args=ref_args, pooled=False)
+        if xla_variant is None:
+            variants.append(ref_variant)
+        jax_layout = None
+        if "jax_paged_attention" in self.impls:
+            if shape.sliding_window is not None:
+                skipped.append({"impl": "jax_paged_attention", "label": "-", "status": "skipped",
+                                "reason": "JAX's paged_attention has no sliding window"})
+            elif not jax_pa_configs(shape, shape.max_blocks, s.jax_configs, self.sms):
+                skipped.append({"impl": "jax_paged_attention", "label": "-", "status": "skipped",
+                                "reason": f"no valid config for {shape.max_blocks} pages per"
+                                          " sequence"})
+            else:
+                try:
+                    jax_layout = self._jax_layout(inputs)
+                except Exception as e:  # noqa: BLE001
+                    skipped.append({"impl": "jax_paged_attention", "label": "-",
+                                    "status": "error", "error": _error(e)})
+            if jax_layout is not None:
+                try:
+                    variants += self._jax_variants(inputs, jax_layout)
+                except Exception as e:  # noqa: BLE001 - e.g. the module moved in this jax
+                    skipped.append({"impl": "jax_paged_attention", "label": "-",
+                                    "status": "error", "error": _error(e)})
+        probe = None
+        if self.mode == "loop" and variants:
+            out_shape = (shape.batch, shape.num_heads, shape.head_dim)
+            probe = Variant(impl="probe", label="loop overhead",
+                            fn=loop_probe(self.copies, self.reps, out_shape,
+                                          jnp.dtype(shape.query_dtype)),
+                            args=(inputs.q, inputs.block_tables), ops_per_call=self.reps,
+                            pooled=False)
+            variants.append(probe)
+
+        compile_all(variants, s.compile_threads)
+
+        # Reference first: xla's output when it ran correctly, else the float32 subset.
+        if xla_variant is not None:
+            self._run_decode(xla_variant)
+        if self.ref is None:
+            if ref_variant.compiled is None and ref_variant.error is None:
+                compile_all([ref_variant], 1)
+            try:
+                if ref_variant.error:
+                    raise RuntimeError(ref_variant.error)
+                self.ref = np.asarray(ref_variant.compiled(*ref_args)).astype(np.float32)
+                self.ref_kind = f"float32 xla, rows 0..{rows - 1}"
+                self.ref_rows = rows
+            except Exception as e:  # noqa: BLE001
+                self.record["reference_error"] = _error(e)
+        for row in skipped:
+            row.update(shape=shape.name, kind="decode")
+            self.rows.append(row)
+            self._print(row)
+        for v in variants:
+            if v.impl in ("ref", "probe") or v is xla_variant:
+                continue
+            self._run_decode(v)
+        if probe is not None and probe.compiled is not None:
+            try:
+                t = measure(lambda: probe.compiled(*probe.args), probe.ops_per_call, s)
+                self.record["loop_overhead_us"] = t.median_us
+            except Exception as e:  # noqa: BLE001
+                self.record["loop_overhead_error"] = _error(e)
+        if jax_layout is not None:
+            for x in jax_layout[:3]:
+                x.delete()
+            for x in jax_layout[3]:
+                x.delete()
+        if self.tune:
+            self._tune(inputs, default_cfg, heuristic)
+
+    def _jax_variants(self, inputs, jax_layout) -> list[Variant]:
+        from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+
+        q_scaled, k_pages, v_pages, scales = jax_layout
+        out = []
+        configs = jax_pa_configs(self.shape, self.shape.max_blocks, self.s.jax_configs, self.sms)
+        for c in configs:
+            call = _jax_pa_call(jax_pa, c, interpret=self.s.interpret)
+            label = f"pp{c['pages_per_compute_block']}/ks{c['k_splits']}/w{c['num_warps']}"
+            args = self._decode_args(inputs, q=q_scaled)
+            args = (args[0], k_pages, v_pages, args[3], args[4], *scales)
+            out.append(self._decode_variant("jax_paged_attention", label, call, args, c))
+        return out
+
+    def _jax_layout(self, inputs):
+        """JAX paged_attention's inputs: pages ``[KVH, num_blocks, block_size, D]``, queries
+        pre-multiplied by the softmax scale (it applies none), per-token fp8 scale arrays."""
+        shape = self.shape
+        scale = 1.0 / math.sqrt(shape.head_dim)
+        to_pages = jax.jit(lambda c: jnp.transpose(c, (2, 0, 1, 3)))
+        k_pages, v_pages = to_pages(inputs.k_cache), to_pages(inputs.v_cache)
+        q_scaled = jax.jit(lambda q: (q.astype(jnp.float32) * scale).astype(q.dtype))(inputs.q)
+        scales = ()
+        if shape.is_fp8:
+            pages_shape = (shape.num_kv_heads, inputs.num_blocks, shape.block_size)
+            scales = (jnp.full(pages_shape, inputs.k_scale, jnp.float32),
+                      jnp.full(pages_shape, inputs.v_scale, jnp.float32))
+        jax.block_until_ready((k_pages, v_pages, q_scaled, scales))
+        return q_scaled, k_pages, v_pages, scales
+
+    def _run_decode(self, v: Variant) -> dict:
+        row = self._row(v, kind="decode", mode=self.mode)
+        if v.error is None:
+            try:
+                out = v.compiled(*v.args)
+                jax.block_until_ready(out)
+                if v.impl == "xla":
+                    self.ref = np.asarray(out).astype(np.float32)
+                    self.ref_kind, self.ref_rows = "impl=xla (full batch)", None
+                    if not np.isfinite(self.ref).all():
+                        row.update(nan=True, correct=False)
+                        self.ref = None
+                elif self.ref is not None:
+                    got = out if self.ref_rows is None else out[: self.ref_rows]
+                    row.update(compare(got, self.ref), reference=self.ref_kind)
+                else:
+                    row.update(correct=None, reference="none (reference failed)")
+                del out
+                t = measure(lambda: v.compiled(*v.args), v.ops_per_call, self.s)
+                self._add_timing(row, t, self.decode_bytes)
+            except Exception as e:  # noqa: BLE001
+                row["status"], row["error"] = "error", _error(e)
+        self.rows.append(row)
+        self._print(row)
+        return row
+
+    # -- tuning ---------------------------------------------------------------------------------
+
+    def _tune(self, inputs, default_cfg: DecodeConfig, heuristic: DecodeConfig):
+        shape, s = self.shape, self.s
+        budget = s.max_tune_configs
+        tried: dict[DecodeConfig, dict] = {}
+        default_row = next((r for r in self.rows if r["impl"] == "pallas"), None)
+        if default_row is not None:
+            tried[default_cfg] = default_row
+
+        def run_stage(configs):
+            nonlocal budget
+            fresh = []
+            for c in configs:
+                if c not in tried and c not in fresh and budget > 0:
+                    fresh.append(c)
+                    budget -= 1
+            variants = [self._ours(inputs, c, impl="pallas_tune") for c in fresh]
+            compile_all(variants, s.compile_threads)
+            for c, v in zip(fresh, variants):
+                tried[c] = self._run_decode(v)
+
+        def good(c):
+            r = tried.get(c)
+            return r is not None and r.get("status") == "ok" and r.get("correct") and \
+                "median_us" in r
+
+        def ranked():
+            return sorted((c for c in tried if good(c)), key=lambda c: tried[c]["median_us"])
+
+        print(f"  tuning {shape.name}: up to {budget} candidates", flush=True)
+        run_stage(tune_stage1(shape, default_cfg, heuristic))
+        if ranked():
+            run_stage(tune_stage2(shape, ranked()[0]))
+        if ranked():
+            run_stage(tune_stage3(ranked(), ranked()[0]))
+        order = ranked()
+        result = {"candidates": len(tried), "default": dataclasses.asdict(default_cfg),
+                  "default_us": tried[default_cfg]["median_us"] if good(default_cfg) else None}
+        if order:
+            best = order[0]
+            result.update(best=dataclasses.asdict(best), best_us=tried[best]["median_us"],
+                          best_label=config_label(best))
+            if best != default_cfg:
+                best_row = dict(tried[best], impl="pallas_tuned")
+                self.rows.append(best_row)
+        self.record["tune"] = result
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def _writes(self, inputs, done: set):
+        shape, s = self.shape, self.s
+        base = (shape.dtype, shape.num_kv_heads, shape.head_dim, shape.block_size)
+        num_slots = inputs.num_blocks * shape.block_size
+        jobs = []
+        step_key = base + ("step", shape.batch)
+        if step_key not in done:
+            jobs.append(("decode_step", step_key, min(shape.batch, num_slots), 1,
+                         s.write_step_reps))
+        prefill_key = base + ("prefill",)
+        if prefill_key not in done:
+            rot = max(1, min(4, s.write_prefill_reps))
+            blocks = max(1, min(s.prefill_tokens // shape.block_size, inputs.num_blocks // rot))
+            jobs.append(("prefill", prefill_key, blocks * shape.block_size, rot,
+                         s.write_prefill_reps))
+        if not jobs:
+            self.record["writes"] = "measured with an earlier shape"
+            return
+        rng = np.random.default_rng([s.seed, zlib.crc32(shape.name.encode())])
+        variants = []
+        for kind, key, tokens, rot, reps in jobs:
+            done.add(key)
+            if kind == "decode_step":
+                slots = rng.choice(num_slots, size=(rot, tokens), replace=False)
+            else:
+                per = tokens // shape.block_size
+                blocks = rng.permutation(inputs.num_blocks)[: rot * per].reshape(rot, per)
+                slots = (blocks[:, :, None] * shape.block_size
+                         + np.arange(shape.block_size)).reshape(rot, tokens)
+            slots = jnp.asarray(slots.astype(np.int32))
+            for n, impl in enumerate(("xla", "pallas")):
+                key_seed = int(rng.integers(0, 2**31 - 1))
+                kkey, vkey = jax.random.split(jax.random.key(key_seed))
+                row_shape = (tokens, shape.num_kv_heads, shape.head_dim)
+                k_rows = random_normal(kkey, row_shape, shape.query_dtype)
+                v_rows = random_normal(vkey, row_shape, shape.query_dtype)
+                fn = self._write_fn(impl, reps, inputs.k_scale, inputs.v_scale)
+                label = f"{kind}({tokens} tok)"
+                v = Variant(impl=f"write_{impl}", label=label, fn=fn, ops_per_call=reps,
+                            args=(inputs.k_cache, inputs.v_cache, k_rows, v_rows, slots),
+                            config={"tokens": tokens, "rotations": rot, "reps": reps,
+                                    "key": list(key)})
+                variants.append(v)
+        compile_all(variants, s.compile_threads)
+        state = (inputs.k_cache, inputs.v_cache)
+        for v in variants:
+            state = self._run_write(v, state, inputs)
+        # the caches now live in `state`; `inputs` still points at the donated originals.
+        inputs.k_cache, inputs.v_cache = state
+
+    def _write_fn(self, impl, reps, k_scale, v_scale):
+        interpret = self.s.interpret or None
+
+        def run(k_cache, v_cache, k, v, slots):
+            def body(i, caches):
+                return write_kv(caches[0], caches[1], k, v, slots[i % slots.shape[0]],
+                                k_scale=k_scale, v_scale=v_scale, impl=impl,
+                                interpret=interpret if impl == "pallas" else None)
+
+            return jax.lax.fori_loop(0, reps, body, (k_cache, v_cache))
+
+        return jax.jit(run, donate_argnums=(0, 1))
+
+    def _run_write(self, v: Variant, state, inputs):
+        shape = self.shape
+        tokens = v.config["tokens"]
+        row = self._row(v, kind="write", key=v.config["key"])
+        if v.error is not None:
+            self.rows.append(row)
+            self._print(row)
+            return state
+        k_rows, v_rows, slots = v.args[2:]
+        holder = {"state": state}
+
+        def step():
+            holder["state"] = v.compiled(*holder["state"], k_rows, v_rows, slots)
+            return holder["state"]
+
+        try:
+            old = holder["state"]
+            jax.block_until_ready(step())
+            row["donated"] = bool(old[0].is_deleted() and old[1].is_deleted())
+            del old
+            row["write_ok"] = self._check_write(holder["state"], k_rows, v_rows, slots,
+                                                inputs.k_scale, inputs.v_scale)
+            t = measure(step, v.ops_per_call, self.s)
+            written = tokens * shape.kv_bytes_per_token
+            read = 2 * tokens * shape.num_kv_heads * shape.head_dim * jnp.dtype(
+                shape.query_dtype).itemsize + 4 * tokens
+            self._add_timing(row, t, written, rw_bytes=written + read)
+        except Exception as e:  # noqa: BLE001
+            row["status"], row["error"] = "error", _error(e)
+        self.rows.append(row)
+        self._print(row)
+        return holder["state"]
+
+    def _check_write(self, state, k_rows, v_rows, slots, k_scale, v_scale) -> bool:
+        """Bit-exact check of up to 256 written tokens of the first and last rotation."""
+        shape = self.shape
+        ok = True
+        n = min(256, k_rows.shape[0])
+        for r in sorted({0, slots.shape[0] - 1}):
+            for cache, rows, scale in ((state[0], k_rows, k_scale), (state[1], v_rows, v_scale)):
+                flat = cache.reshape(-1, shape.num_kv_heads, shape.head_dim)
+                got = np.asarray(flat[slots[r, :n]])
+                want = rows[:n] if scale is None else quantize_fp8(rows[:n], scale)
+                want = np.asarray(want)
+                ok &= got.tobytes() == want.astype(got.dtype).tobytes()
+        return bool(ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reporting
+
+
+def _versions() -> dict:
+    out = {"python": sys.version.split()[0], "jax": jax.__version__}
+    for dist in ("jaxlib", "triton", "numpy", "jax-cuda13-plugin", "jax-cuda12-plugin",
+                 "jax-cuda13-pjrt", "jax-cuda12-pjrt", "torch"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def device_info() -> dict:
+    d = jax.devices()[0]
+    return {"backend": jax.default_backend(), "device_kind": d.device_kind,
+            "platform": d.platform, "sm_count": sm_count(),
+            "core_count": getattr(d, "core_count", None), "num_devices": jax.device_count(),
+            "host": host_platform.platform()}
+
+
+def _speedups(decode_rows: list[dict]) -> None:
+    """``speedup_vs_jax`` = the best correct JAX paged_attention time / this row's time."""
+    by_shape: dict[str, list] = {}
+    for r in decode_rows:
+        by_shape.setdefault(r["shape"], []).append(r)
+    for rows in by_shape.values():
+        jax_rows = [r for r in rows if r["impl"] == "jax_paged_attention"
+                    and r.get("status") == "ok" and r.get("correct") and "median_us" in r]
+        best = min((r["median_us"] for r in jax_rows), default=None)
+        for r in rows:  # a wrong result never gets a speedup
+            if best is not None and "median_us" in r and r.get("correct") is not False:
+                r["speedup_vs_jax"] = best / r["median_us"]
+        for r in jax_rows:
+            r["best_of_impl"] = r["median_us"] == best
+
+
+def summary_rows(doc: dict) -> tuple[list, list]:
+    """The rows of the two printed tables: decode (one per shape and impl) and writes."""
+    decode_rows, write_rows = [], []
+    for rec in doc["shapes"]:
+        rows = rec.get("results", [])
+        if rec.get("status") == "error":
+            decode_rows.append({"shape": rec["name"], "impl": "-", "label": "-",
+                                "status": "error", "error": rec.get("error", "")})
+        for impl in ("pallas", "pallas_tuned", "xla", "jax_paged_attention"):
+            cands = [r for r in rows if r["impl"] == impl]
+            if not cands:
+                continue
+            if impl == "jax_paged_attention":
+                ok = [r for r in cands if r.get("status") == "ok" and "median_us" in r]
+                good = [r for r in ok if r.get("correct")]
+                pick = min(good or ok, key=lambda r: r["median_us"]) if ok else cands[0]
+                if ok:
+                    pick = dict(pick, label=f"{pick['label']} (best of {len(cands)})")
+            else:
+                pick = cands[0]
+            decode_rows.append(pick)
+    write_rows = list(doc.get("writes", []))
+    return decode_rows, write_rows
+
+
+def _fmt(x, spec, missing="-"):
+    return missing if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(
+        x, spec)
+
+
+def format_tables(doc: dict) -> str:
+    decode_rows, write_rows = summary_rows(doc)
+    bw = doc.get("copy_bandwidth", {}).get("tbps")
+    lines = [f"device: {doc['meta']['device']['device_kind']}   copy bandwidth (same run, read +"
+             f" written): {_fmt(bw, '.3f')} TB/s"]
+    w = max([20] + [len(r["shape"]) for r in decode_rows])
+    hdr = (f"{'shape':<{w}} {'impl':<19} {'config':<24} {'median_us':>10} {'TB/s':>6}"
+           f" {'%copy':>6} {'vs_jax':>6}  check")
+    lines += ["", "DECODE  (TB/s = K/V rows that must be read + q + out, per median time)", hdr,
+              "-" * len(hdr)]
+    for r in decode_rows:
+        if r.get("status") != "ok" or "median_us" not in r:
+            why = r.get("error") or r.get("reason") or ""
+            lines.append(f"{r['shape']:<{w}} {r['impl']:<19} {_short(r.get('label', '-'), 24):<24}"
+                         f" {r.get('status', '?').upper()}: {_short(why, 70)}")
+            continue
+        if r.get("nan"):
+            check = "NaN!"
+        elif r.get("correct") is False:
+            check = f"WRONG rel={r.get('rel_err', float('nan')):.1e}"
+        elif "rel_err" in r:
+            check = f"ok rel={r['rel_err']:.0e} max={r['max_abs_err']:.0e}"
+        else:
+            check = "ref"
+        lines.append(f"{r['shape']:<{w}} {r['impl']:<19} {_short(r['label'], 24):<24}"
+                     f" {r['median_us']:10.2f} {r['tbps']:6.3f} {100 * r['frac_copy_bw']:5.1f}%"
+                     f" {_fmt(r.get('speedup_vs_jax'), '6.2f'):>6}  {check}")
+    if write_rows:
+        lines += ["", "WRITE_KV  (caches donated; %w = bytes written / time, %rw = (bytes read +"
+                  " written) / time, both as % of copy bandwidth)"]
+        hdr = (f"{'dtype kvh d bs':<22} {'kind':<7} {'tokens':>6} |"
+               f" {'xla_us':>8} {'TB/s_w':>6} {'%w':>5} {'%rw':>5} |"
+               f" {'pallas_us':>9} {'TB/s_w':>6} {'%w':>5} {'%rw':>5} | check")
+        lines += [hdr, "-" * len(hdr)]
+        groups: dict[tuple, dict] = {}
+        for r in write_rows:
+            groups.setdefault(tuple(r.get("key") or ["?"] * 5), {})[r["impl"]] = r
+        for key, by_impl in groups.items():
+            tokens = next(iter(by_impl.values())).get("config", {}).get("tokens", "-")
+            cells, checks = [], []
+            for impl, width in (("write_xla", 8), ("write_pallas", 9)):
+                r = by_impl.get(impl)
+                if r is None:
+                    cells.append(f"{'-':>{width}} {'':>6} {'':>5} {'':>5}")
+                elif r.get("status") != "ok" or "median_us" not in r:
+                    cells.append(f"{'ERROR':>{width}} {'':>6} {'':>5} {'':>5}")
+                    checks.append(f"{impl[6:]}: {_short(r.get('error', ''), 50)}")
+                else:
+                    cells.append(f"{r['median_us']:{width}.2f} {r['tbps']:6.3f}"
+                                 f" {100 * r['frac_copy_bw']:5.1f}"
+                                 f" {100 * r['rw_frac_copy_bw']:5.1f}")
+                    if not r.get("write_ok"):
+                        checks.append(f"{impl[6:]} WRONG")
+                    if not r.get("donated"):
+                        checks.append(f"{impl[6:]} not donated")
+            name = " ".join(str(k) for k in key[:4])
+            lines.append(f"{name:<22} {str(key[4]):<7} {tokens:>6} | {cells[0]} | {cells[1]} |"
+                         f" {'; '.join(checks) or 'ok'}")
+    lines += ["", "check: relative L2 / max abs error vs impl=xla (or a float32 subset when xla is"
+              f" not run); WRONG above {REL_TOL:g}. vs_jax: best JAX paged_attention time / this"
+              " time."]
+    loop = [f"{r['name']} ({_fmt(r.get('loop_overhead_us'), '.2f')} us)" for r in doc["shapes"]
+            if r.get("mode") == "loop"]
+    if loop:
+        lines.append("loop mode (times include slicing the copy's q and table per call, measured"
+                     " alone in parentheses): " + ", ".join(loop))
+    return "\n".join(lines)
+
+
+def tuned_snippet(doc: dict) -> str:
+    """``TUNED`` entries (paste into pallas_paged/tuned.py) for shapes whose best config differs
+    from the default; sliding-window shapes and key collisions are left as comments."""
+    meta = doc["meta"]
+    device = meta["device"]
+    lines = [f"# Measured with `python -m pallas_paged.bench --tune` on {device['device_kind']}"
+             f" ({device['sm_count']} SMs), {meta['date'][:10]}.",
+             "TUNED: dict[tuple, DecodeConfig] = {"]
+    seen: dict[tuple, tuple] = {}
+    for rec in doc["shapes"]:
+        t = rec.get("tune")
+        if not t or "best" not in t or "shape_class" not in rec:
+            continue
+        key = tuple(rec["shape_class"])
+        best = DecodeConfig(**t["best"])
+        gain = (t["default_us"] / t["best_us"]) if t.get("default_us") else float("nan")
+        comment = (f"{rec['name']}: {t['best_us']:.1f} us vs {_fmt(t.get('default_us'), '.1f')} us"
+                   f" default ({gain:.2f}x)")
+        entry = (f"    {key!r}: DecodeConfig(block_k={best.block_k}, num_splits={best.num_splits},"
+                 f" num_warps={best.num_warps}, num_stages={best.num_stages}),  # {comment}")
+        prefix = None
+        if rec["shape"].get("sliding_window") is not None:
+            prefix = "windowed shape: its class also covers full attention"
+        elif t["best"] == t["default"]:
+            prefix = "already the default"
+        elif math.isfinite(gain) and gain < 1.02:
+            prefix = "within 2%"
+        elif key in seen:
+            prefix = f"same class as {seen[key][0]}"
+        if prefix is None:
+            seen[key] = (rec["name"], gain)
+            lines.append(entry)
+        else:
+            lines.append(f"    # ({prefix}) {entry.strip()}")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def write_plot(doc: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    decode_rows, write_rows = summary_rows(doc)
+    impls = ["pallas", "pallas_tuned", "xla", "jax_paged_attention"]
+    colors = {"pallas": "C0", "pallas_tuned": "C1", "xla": "C2", "jax_paged_attention": "C3"}
+    shapes = list(dict.fromkeys(r["shape"] for r in decode_rows))
+    fig, axes = plt.subplots(2, 1, figsize=(max(10, 0.8 * len(shapes) + 4), 10))
+    ax = axes[0]
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        vals = []
+        for name in shapes:
+            r = next((r for r in decode_rows if r["shape"] == name and r["impl"] == impl
+                      and r.get("status") == "ok" and "frac_copy_bw" in r), None)
+            vals.append(r["frac_copy_bw"] if r and r.get("correct") is not False else 0.0)
+        if any(vals):
+            ax.bar(np.arange(len(shapes)) + (i - len(impls) / 2 + 0.5) * width, vals, width,
+                   color=colors[impl], label=impl)
+    ax.axhline(1.0, color="k", linestyle="--", linewidth=1, label="copy bandwidth (this run)")
+    ax.set_xticks(np.arange(len(shapes)), shapes, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("fraction of copy bandwidth")
+    ax.set_title(f"paged decode: K/V bytes read / time, {doc['meta']['device']['device_kind']}")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    labels = list(dict.fromkeys(
+        " ".join(str(k) for k in r.get("key", [])) for r in write_rows))
+    for i, (impl, color) in enumerate((("write_xla", "C2"), ("write_pallas", "C0"))):
+        w_vals, rw_vals = [], []
+        for label in labels:
+            r = next((r for r in write_rows if r["impl"] == impl and r.get("status") == "ok"
+                      and " ".join(str(k) for k in r.get("key", [])) == label
+                      and "frac_copy_bw" in r), None)
+            w_vals.append(r["frac_copy_bw"] if r else 0.0)
+            rw_vals.append(r["rw_frac_copy_bw"] if r else 0.0)
+        x = np.arange(len(labels)) + (i - 0.5) * 0.4
+        ax.bar(x, rw_vals, 0.4, color=color, alpha=0.35, hatch="//",
+               label=f"{impl} (read+written)")
+        ax.bar(x, w_vals, 0.4, color=color, label=f"{impl} (written)")
+    ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
+    ax.set_xticks(np.arange(len(labels)), labels, rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel("fraction of copy bandwidth")
+    ax.set_title("write_kv (donated caches)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _dump(doc: dict, path: str | None) -> None:
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=_json_default, allow_nan=True)
+    os.replace(tmp, path)
+
+
+def _json_default(x):
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, tuple):
+        return list(x)
+    return str(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def resolve_shapes(spec: str, smoke: bool) -> list[DecodeBenchShape]:
+    if spec in (None, "", "all"):
+        return list(SMALL_SHAPES if smoke else ALL_SHAPES)
+    out = []
+    for name in spec.split(","):
+        name = name.strip()
+        if not name:
+            continue
+        group = SHAPE_GROUPS.get(name)
+        out.extend(group if group is not None else [shape_by_name(name)])
+    return list(dict.fromkeys(out))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m pallas_paged.bench",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="all",
+                   help="comma list of shape names or groups (bench: the 13 benchmark shapes,"
+                        " ext: fp8 and sliding window, all: both, small); default all (small with"
+                        " --smoke); see --list")
+    p.add_argument("--impls", default=None,
+                   help=f"comma subset of {','.join(IMPLS)}; default all of them, or only"
+                        " pallas with --tune")
+    p.add_argument("--tune", action="store_true",
+                   help="sweep DecodeConfig candidates per shape (bounded by --max-configs) and"
+                        " print TUNED entries for pallas_paged/tuned.py")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes, minimal repetitions, interpret mode without a GPU: checks"
+                        " that everything runs end to end (timings meaningless)")
+    p.add_argument("--repeats", type=int, default=None, help="timed windows per variant (7)")
+    p.add_argument("--window-ms", type=float, default=None, help="target window duration (10)")
+    p.add_argument("--json", default=None, help="write all results here (rewritten per shape)")
+    p.add_argument("--plot", default=None, help="bar chart (png) of fraction of copy bandwidth")
+    p.add_argument("--jax-configs", type=int, default=None,
+                   help="JAX paged_attention configs tried per shape (6; 24 = all valid)")
+    p.add_argument("--max-configs", type=int, default=None,
+                   help="tune candidates per shape besides the default (24)")
+    p.add_argument("--compile-threads", type=int, default=None,
+                   help="threads compiling one shape's Pallas variants (1: serial)")
+    p.add_argument("--copies", type=int, default=0,
+                   help="force this many input copies (0: automatic; 1: dispatch mode)")
+    p.add_argument("--copy-gib", type=float, default=None,
+                   help="size of the copy-bandwidth buffer in GiB (4)")
+    p.add_argument("--time-limit", type=float, default=0,
+                   help="seconds: start no new shape after this (0: none); the table is still"
+                        " printed. SIGTERM also stops the run and prints what was measured")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true",
+                   help="keep the shapes already done in --json and skip them")
+    p.add_argument("--list", action="store_true", help="list the shapes and exit")
+    p.add_argument("--plan", action="store_true",
+                   help="print what a run with these flags would measure and compile, and exit")
+    args = p.parse_args(argv)
+    return args
+
+
+def build_settings(args) -> Settings:
+    s = Settings(seed=args.seed, copies=max(0, args.copies), interpret=not has_gpu())
+    if args.smoke:
+        s = smoke_settings(s)
+    overrides = {}
+    if args.repeats is not None:
+        overrides["windows"] = max(1, args.repeats)
+    if args.window_ms is not None:
+        overrides["window_s"] = max(0.0, args.window_ms / 1e3)
+    if args.jax_configs is not None:
+        overrides["jax_configs"] = max(1, args.jax_configs)
+    if args.max_configs is not None:
+        overrides["max_tune_configs"] = max(0, args.max_configs)
+    if args.compile_threads is not None:
+        overrides["compile_threads"] = max(1, args.compile_threads)
+    if args.copy_gib is not None:
+        overrides["copy_bytes"] = int(args.copy_gib * 2**30)
+    return dataclasses.replace(s, **overrides)
+
+
+def plan(shapes, impls, s: Settings, tune: bool, sms: int) -> str:
+    """What a run would do per shape (copies, mode, bytes, variants), without device work."""
+    lines = [f"{'shape':<22} {'copies':>6} {'mode':<8} {'reps':>4} {'MB/call':>8} {'cache GB':>8}"
+             f"  variants"]
+    total, write_keys = 0, set()
+    for shape in shapes:
+        copies = s.copies or rotation_copies(shape, min_bytes=ROTATE_BYTES,
+                                             max_copies=s.max_copies)
+        mode = "loop" if copies > 1 else "dispatch"
+        reps = copies * max(1, math.ceil(s.loop_ops / copies)) if mode == "loop" else 1
+        touched = shape.expected_tokens_read() * shape.kv_bytes_per_token
+        cache = copies * shape.batch * shape.capacity * shape.kv_bytes_per_token
+        parts = []
+        if "pallas" in impls or tune:
+            parts.append("pallas 1" + (f" + tune <={s.max_tune_configs}" if tune else ""))
+        xla_bytes = 2 * shape.batch * shape.capacity * shape.num_kv_heads * shape.head_dim * 4
+        if "xla" in impls:
+            parts.append("xla 1" if xla_bytes <= XLA_LIMIT_BYTES else "xla skipped")
+        n_jax = 0
+        if "jax_paged_attention" in impls and shape.sliding_window is None:
+            n_jax = len(jax_pa_configs(shape, shape.max_blocks, s.jax_configs, sms))
+            parts.append(f"jax {n_jax}")
+        n_write = 0
+        if "write" in impls:
+            base = (shape.dtype, shape.num_kv_heads, shape.head_dim, shape.block_size)
+            for key in (base + ("step", shape.batch), base + ("prefill",)):
+                if key not in write_keys:
+                    write_keys.add(key)
+                    n_write += 2
+            parts.append(f"write {n_write}")
+        count = (("pallas" in impls or tune) + ("xla" in impls and xla_bytes <= XLA_LIMIT_BYTES)
+                 + n_jax + n_write + (tune and s.max_tune_configs))
+        total += count
+        lines.append(f"{shape.name:<22} {copies:>6} {mode:<8} {reps:>4} {touched / 1e6:8.1f}"
+                     f" {cache / 1e9:8.2f}  {', '.join(parts)}")
+    lines.append(f"compiled variants (at most): {total}")
+    return "\n".join(lines)
+
+
+def _stop_on_sigterm():
+    """SIGTERM (e.g. from ``timeout``) raises KeyboardInterrupt, so the table still gets printed."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        return None
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.list:
+        for group, members in SHAPE_GROUPS.items():
+            if group == "all":
+                continue
+            for shape in members:
+                print(f"{shape.name:<24} {group:<6} {shape.describe()}")
+        return {}
+    shapes = resolve_shapes(args.shapes, args.smoke)
+    impls = tuple(i.strip() for i in (args.impls or ("pallas" if args.tune else ",".join(IMPLS)))
+                  .split(",") if i.strip())
+    unknown = [i for i in impls if i not in IMPLS]
+    if unknown:
+        raise SystemExit(f"unknown --impls {unknown}; choose from {IMPLS}")
+    s = build_settings(args)
+    if args.plan:
+        print(plan(shapes, impls, s, args.tune, sm_count()))
+        return {}
+    if not has_gpu() and not args.smoke:
+        print("warning: no GPU backend; Pallas runs in interpret mode and timings mean nothing"
+              " (use --smoke for a quick end-to-end check)", flush=True)
+    sms = sm_count()
+    doc = {"meta": {"device": device_info(), "versions": _versions(),
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                    "argv": [sys.argv[0]] + list(argv if argv is not None else sys.argv[1:]),
+                    "impls": list(impls), "tune": args.tune, "smoke": args.smoke,
+                    "settings": dataclasses.asdict(s),
+                    "constants": {"l2_bytes": L2_BYTES, "rotate_bytes": ROTATE_BYTES,
+                                  "xla_limit_bytes": XLA_LIMIT_BYTES, "rel_tol": REL_TOL}},
+           "shapes": [], "writes": []}
+    done_names: set = set()
+    write_keys_done: set = set()
+    if args.resume and args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            old = json.load(f)
+        doc["shapes"] = [r for r in old.get("shapes", []) if r.get("status") == "done"]
+        doc["writes"] = old.get("writes", [])
+        done_names = {r["name"] for r in doc["shapes"]}
+        write_keys_done = {tuple(w["key"]) for w in doc["writes"] if "key" in w}
+        print(f"resuming: {len(done_names)} shapes already in {args.json}", flush=True)
+
+    print(f"device: {doc['meta']['device']['device_kind']} ({sms} SMs), jax {jax.__version__};"
+          f" {len(shapes)} shapes; impls {','.join(impls)}{'; tune' if args.tune else ''}",
+          flush=True)
+    t_start = time.perf_counter()
+    interrupted = None
+    previous_handler = _stop_on_sigterm()
+    copy_start = measure_copy_bandwidth(s.copy_bytes, s)
+    copy_tbps = copy_start["tbps"]
+    doc["copy_bandwidth"] = {"start": copy_start, "tbps": copy_tbps}
+    print(f"copy bandwidth: {copy_tbps:.3f} TB/s (read + written, {s.copy_bytes / 2**30:.2f} GiB)",
+          flush=True)
+    if not math.isfinite(copy_tbps) or copy_tbps <= 0:
+        copy_tbps = float("nan")
+
+    try:
+        for shape in shapes:
+            if shape.name in done_names:
+                continue
+            if args.time_limit and time.perf_counter() - t_start > args.time_limit:
+                interrupted = f"--time-limit {args.time_limit:g} s reached before {shape.name}"
+                break
+            t0 = time.perf_counter()
+            bench = ShapeBench(shape, impls, s, copy_tbps, args.tune, sms)
+            try:
+                record, writes = bench.run(write_keys_done)
+            except Exception as e:  # noqa: BLE001 - one shape must not end the run
+                record = dict(bench.record, status="error", error=_error(e),
+                              results=[r for r in bench.rows if r.get("kind") != "write"])
+                writes = [r for r in bench.rows if r.get("kind") == "write"]
+                print(f"  [{shape.name}] ERROR: {_short(_error(e), 200)}", flush=True)
+            except KeyboardInterrupt:
+                record = dict(bench.record, status="interrupted",
+                              results=[r for r in bench.rows if r.get("kind") != "write"])
+                writes = [r for r in bench.rows if r.get("kind") == "write"]
+                interrupted = f"interrupted during {shape.name}"
+            record["elapsed_s"] = round(time.perf_counter() - t0, 2)
+            doc["shapes"].append(record)
+            doc["writes"].extend(writes)
+            _speedups([r for rec in doc["shapes"] for r in rec.get("results", [])])
+            _dump(doc, args.json)
+            print(f"  [{shape.name}] {record['elapsed_s']:.1f} s", flush=True)
+            if interrupted:
+                break
+    except KeyboardInterrupt:
+        interrupted = "interrupted between shapes"
+    if interrupted:
+        doc["interrupted"] = interrupted
+        print(f"\nSTOPPED: {interrupted}; reporting what was measured", flush=True)
+        copy_end = {"skipped": interrupted}
+    else:
+        try:
+            copy_end = measure_copy_bandwidth(s.copy_bytes, s)
+        except KeyboardInterrupt:
+            copy_end = {"skipped": "interrupted"}
+    if previous_handler is not None:
+        try:
+            signal.signal(signal.SIGTERM, previous_handler)
+        except ValueError:
+            pass
+    doc["copy_bandwidth"]["end"] = copy_end
+    doc["elapsed_s"] = round(time.perf_counter() - t_start, 2)
+    if args.tune:
+        doc["tuned"] = {"snippet": tuned_snippet(doc),
+                        "best": {r["name"]: r["tune"] for r in doc["shapes"] if r.get("tune")}}
+    tables = format_tables(doc)
+    doc["table"] = tables.splitlines()
+    _dump(doc, args.json)
+    if args.plot:
+        try:
+            write_plot(doc, args.plot)
+        except Exception as e:  # noqa: BLE001
+            print(f"plot failed: {_error(e)}", flush=True)
+    drift = copy_end.get("tbps", float("nan")) / copy_tbps if copy_tbps else float("nan")
+    print(f"\ncopy bandwidth at the end: {_fmt(copy_end.get('tbps'), '.3f')} TB/s"
+          f" ({_fmt(drift, '.3f')} of the start); total {doc['elapsed_s']:.0f} s", flush=True)
+    if args.tune:
+        print("\n" + doc["tuned"]["snippet"], flush=True)
+    print("\n" + tables, flush=True)
+    return doc
+
+
+if __name__ == "__main__":
+    result = main()
+    if result.get("interrupted"):
+        # Leave without interpreter teardown: an interrupted compile can crash it, and the
+        # results are already printed and written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)

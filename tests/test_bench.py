@@ -1,0 +1,289 @@
+"""`pallas_paged.shapes` (the named shapes and their inputs) and `pallas_paged.bench` end to end.
+
+The benchmark runs in ``--smoke`` mode on one tiny shape (Pallas interpret mode on a CPU): the
+numbers mean nothing there, but every impl, the correctness check, the donated writes, the JSON and
+the plot must come out, with positive, finite figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from pallas_paged import bench
+from pallas_paged.config import DecodeConfig
+from pallas_paged.shapes import (ALL_SHAPES, BENCH_SHAPES, EXTENSION_SHAPES, SMALL_SHAPES,
+                                 DecodeBenchShape, make_block_tables, make_decode_inputs,
+                                 shape_by_name)
+
+# name -> (batch, num_heads, num_kv_heads, head_dim, block_size, context, ragged, dtype, window)
+REQUIRED = {
+    "b32_ctx4096": (32, 32, 8, 128, 16, 4096, False, "bfloat16", None),
+    "b64_ctx2048": (64, 32, 8, 128, 16, 2048, False, "bfloat16", None),
+    "b8_ctx16384": (8, 32, 8, 128, 16, 16384, False, "bfloat16", None),
+    "b128_ctx1024": (128, 32, 8, 128, 16, 1024, False, "bfloat16", None),
+    "b1_ctx32768": (1, 32, 8, 128, 16, 32768, False, "bfloat16", None),
+    "b256_ctx512": (256, 32, 8, 128, 16, 512, False, "bfloat16", None),
+    "mha_b32_ctx4096": (32, 32, 32, 128, 16, 4096, False, "bfloat16", None),
+    "bs64_b32_ctx4096": (32, 32, 8, 128, 64, 4096, False, "bfloat16", None),
+    "b4_ctx131072": (4, 32, 8, 128, 16, 131072, False, "bfloat16", None),
+    "ragged_b64_ctx8192": (64, 32, 8, 128, 16, 8192, True, "bfloat16", None),
+    "fp16_b32_ctx4096": (32, 32, 8, 128, 16, 4096, False, "float16", None),
+    "d64_b32_ctx4096": (32, 32, 8, 64, 16, 4096, False, "bfloat16", None),
+    "d256_b32_ctx4096": (32, 32, 8, 256, 16, 4096, False, "bfloat16", None),
+    "fp8_b32_ctx4096": (32, 32, 8, 128, 16, 4096, False, "float8_e4m3fn", None),
+    "fp8_b8_ctx16384": (8, 32, 8, 128, 16, 16384, False, "float8_e4m3fn", None),
+    "swa1024_b8_ctx32768": (8, 32, 8, 128, 16, 32768, False, "bfloat16", 1024),
+    "b8_ctx1024": (8, 32, 8, 128, 16, 1024, False, "bfloat16", None),
+}
+SMOKE_SHAPE = "small_b2_ctx64"
+
+
+def _params(s: DecodeBenchShape) -> tuple:
+    return (s.batch, s.num_heads, s.num_kv_heads, s.head_dim, s.block_size, s.context, s.ragged,
+            s.dtype, s.sliding_window)
+
+
+def _finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# shapes
+
+
+def test_names_are_unique():
+    names = [s.name for s in ALL_SHAPES + SMALL_SHAPES]
+    assert len(names) == len(set(names))
+    assert ALL_SHAPES == BENCH_SHAPES + EXTENSION_SHAPES
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED))
+def test_required_shapes_are_present(name):
+    assert _params(shape_by_name(name)) == REQUIRED[name]
+    assert shape_by_name(name) in ALL_SHAPES
+
+
+def test_bench_shapes_are_exactly_the_required_thirteen():
+    extensions = {"fp8_b32_ctx4096", "fp8_b8_ctx16384", "swa1024_b8_ctx32768", "b8_ctx1024"}
+    assert {s.name for s in BENCH_SHAPES} == set(REQUIRED) - extensions
+    assert {s.name for s in EXTENSION_SHAPES} == extensions
+    assert len(BENCH_SHAPES) == 13
+
+
+def test_small_shapes_cover_the_features():
+    assert any(s.ragged for s in SMALL_SHAPES)
+    assert any(s.dtype == "float8_e4m3fn" for s in SMALL_SHAPES)
+    assert any(s.sliding_window for s in SMALL_SHAPES)
+    assert any(s.group == 1 for s in SMALL_SHAPES)
+    assert all(s.capacity <= 256 for s in SMALL_SHAPES)
+
+
+@pytest.mark.parametrize("bad", [dict(num_heads=6, num_kv_heads=4), dict(batch=0),
+                                 dict(dtype="int8"), dict(sliding_window=0)])
+def test_shape_rejects_bad_parameters(bad):
+    params = dict(name="x", batch=2, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
+                  context=64) | bad
+    with pytest.raises(ValueError):
+        DecodeBenchShape(**params)
+
+
+@pytest.mark.parametrize("name,copies", [("ragged_b64_ctx8192", 1), ("b4_ctx131072", 1),
+                                         ("swa1024_b8_ctx32768", 8), ("b256_ctx512", 1),
+                                         ("small_ragged_b4_ctx96", 3), ("small_bs8_b2_ctx64", 2)])
+def test_block_tables_are_valid(name, copies):
+    shape = shape_by_name(name)
+    lens, tables, num_blocks = make_block_tables(shape, np.random.default_rng(1), copies)
+    assert lens.dtype == np.int32 and tables.dtype == np.int32
+    assert tables.shape == (copies, shape.batch, shape.max_blocks)
+    assert (lens >= 1).all() and (lens <= shape.capacity).all()
+    if not shape.ragged:
+        assert (lens == shape.context).all()
+    nb = -(-lens // shape.block_size)
+    used = np.arange(shape.max_blocks)[None, :] < nb[:, None]
+    valid = tables[:, used]
+    assert valid.size == copies * nb.sum()
+    assert len(np.unique(valid)) == valid.size  # no physical block is shared
+    assert (tables >= 0).all() and (tables < num_blocks).all()  # tails too: valid ids
+    assert num_blocks - valid.size <= valid.size // 100 + 1  # only a little spare
+    assert not (np.diff(valid.reshape(-1)) == 1).all()  # shuffled, not sequential
+
+
+def test_ragged_lengths_spread():
+    shape = shape_by_name("ragged_b64_ctx8192")
+    lens, _, _ = make_block_tables(shape, np.random.default_rng(0))
+    assert lens.min() < 2048 and lens.max() > 6144 and len(np.unique(lens)) > 32
+
+
+@pytest.mark.parametrize("name,backend", [("small_ragged_b4_ctx96", "numpy"),
+                                          ("small_fp8_b2_ctx64", "numpy"),
+                                          ("small_fp8_b2_ctx64", "jax")])
+def test_make_decode_inputs(name, backend):
+    shape = shape_by_name(name)
+    inputs = make_decode_inputs(shape, seed=3, copies=2, backend=backend)
+    q, k_cache, v_cache, tables, lens = inputs.args(1)
+    assert q.shape == (shape.batch, shape.num_heads, shape.head_dim)
+    assert str(q.dtype) == shape.query_dtype
+    assert k_cache.shape == v_cache.shape == (inputs.num_blocks, shape.block_size,
+                                              shape.num_kv_heads, shape.head_dim)
+    assert str(k_cache.dtype) == shape.dtype
+    np.testing.assert_array_equal(np.asarray(tables), inputs.block_tables_np[1])
+    np.testing.assert_array_equal(np.asarray(lens), inputs.context_lens_np)
+    k = np.asarray(k_cache).astype(np.float32)
+    assert np.isfinite(k).all() and (k != 0).mean() > 0.9  # random normal, not zeros
+    dequantized_std = k.std() * (inputs.k_scale or 1.0)
+    assert 0.8 < dequantized_std < 1.2
+    assert inputs.k_scale == (1 / 16 if shape.dtype == "float8_e4m3fn" else None)
+    assert not np.array_equal(np.asarray(inputs.q[0]), np.asarray(inputs.q[1]))
+    assert inputs.tokens_read() == int(np.asarray(lens).sum())
+
+
+@pytest.mark.parametrize("backend", ["numpy", "jax"])
+def test_make_decode_inputs_is_reproducible(backend):
+    shape = shape_by_name("small_fp8_b2_ctx64")  # the shapes of test_make_decode_inputs: no recompile
+    a, b, c = (make_decode_inputs(shape, seed=seed, copies=2, backend=backend)
+               for seed in (5, 5, 6))
+    for name in ("q", "k_cache", "v_cache"):
+        x, y, z = (np.asarray(getattr(i, name)).astype(np.float32) for i in (a, b, c))
+        np.testing.assert_array_equal(x, y)
+        assert not np.array_equal(x, z)
+    np.testing.assert_array_equal(a.block_tables_np, b.block_tables_np)
+
+
+def test_sliding_window_reads_only_the_window():
+    shape = shape_by_name("swa1024_b8_ctx32768")
+    assert shape.tokens_read(np.full(8, 32768)) == 8 * 1024
+    assert shape.tokens_read([10, 5000]) == 10 + 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# bench pieces that need no device work
+
+
+@pytest.mark.parametrize("shape", ALL_SHAPES, ids=lambda s: s.name)
+def test_jax_paged_attention_configs_are_valid(shape):
+    configs = bench.jax_pa_configs(shape, shape.max_blocks, 6, 132)
+    assert 1 <= len(configs) <= 6
+    assert len({tuple(sorted(c.items())) for c in configs}) == len(configs)
+    for c in configs:
+        assert shape.max_blocks % c["k_splits"] == 0
+        per_partition = shape.max_blocks // c["k_splits"]
+        ppcb = c["pages_per_compute_block"]
+        assert per_partition % ppcb == 0 and ppcb & (ppcb - 1) == 0
+    assert len({c["k_splits"] for c in configs}) >= 2  # the short sweep spans k_splits
+
+
+@pytest.mark.parametrize("shape", ALL_SHAPES, ids=lambda s: s.name)
+def test_tune_candidates_are_bounded(shape):
+    default = DecodeConfig(block_k=64, num_splits=4, num_warps=4, num_stages=2)
+    stage1 = bench.tune_stage1(shape, default, default)
+    stage2 = bench.tune_stage2(shape, stage1[0])
+    stage3 = bench.tune_stage3(stage1, stage2[0])
+    assert len(stage1) <= 12 and len(stage2) <= 8 and len(stage3) <= 3
+    assert {c.block_k for c in stage1} <= {16, 32, 64, 128}
+    assert len(set(stage1)) == len(stage1)
+
+
+def test_tuned_snippet_is_python():
+    rec = {"name": "b32_ctx4096", "shape": {"sliding_window": None},
+           "shape_class": ["bfloat16", 128, 4, 16, 32, 4096],
+           "tune": {"best": dict(block_k=32, num_splits=2, num_warps=8, num_stages=3),
+                    "default": dict(block_k=64, num_splits=1, num_warps=4, num_stages=2),
+                    "best_us": 100.0, "default_us": 120.0}}
+    window = dict(rec, name="swa", shape={"sliding_window": 1024},
+                  shape_class=["bfloat16", 128, 4, 16, 8, 32768])
+    doc = {"meta": {"device": {"device_kind": "NVIDIA H200", "sm_count": 132},
+                    "date": "2026-01-01T00:00:00"}, "shapes": [rec, window]}
+    snippet = bench.tuned_snippet(doc)
+    namespace = {"DecodeConfig": DecodeConfig}
+    exec(snippet, namespace)  # noqa: S102 - our own generated code
+    assert namespace["TUNED"] == {("bfloat16", 128, 4, 16, 32, 4096):
+                                  DecodeConfig(block_k=32, num_splits=2, num_warps=8,
+                                               num_stages=3)}
+
+
+# ----------------------------------------------------------------------------------------------
+# the smoke run
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    path, plot = out / "bench.json", out / "bench.png"
+    doc = bench.main(["--smoke", "--shapes", SMOKE_SHAPE, "--json", str(path), "--plot",
+                      str(plot)])
+    with open(path) as f:
+        return doc, json.load(f), plot
+
+
+def test_smoke_json_has_the_run_facts(smoke):
+    _, doc, _ = smoke
+    meta = doc["meta"]
+    assert meta["device"]["device_kind"] and meta["device"]["backend"] == jax.default_backend()
+    assert meta["versions"]["jax"] == jax.__version__ and "jaxlib" in meta["versions"]
+    assert meta["date"] and meta["argv"][1:3] == ["--smoke", "--shapes"]
+    assert set(meta["impls"]) == set(bench.IMPLS)
+    copy = doc["copy_bandwidth"]
+    assert _finite_positive(copy["tbps"]) and _finite_positive(copy["start"]["copy"]["tbps"])
+    assert _finite_positive(copy["end"]["tbps"])
+    assert doc["table"] and any("DECODE" in line for line in doc["table"])
+
+
+def test_smoke_decode_rows(smoke):
+    _, doc, _ = smoke
+    (record,) = doc["shapes"]
+    assert record["name"] == SMOKE_SHAPE and record["status"] == "done"
+    assert record["copies"] >= 1 and record["mode"] in ("loop", "dispatch")
+    assert record["decode_bytes"] > record["tokens_read"] > 0
+    rows = {r["impl"]: r for r in record["results"]}
+    assert {"pallas", "xla", "jax_paged_attention"} <= set(rows)
+    for impl in ("pallas", "xla", "jax_paged_attention"):
+        r = rows[impl]
+        assert r["status"] == "ok", r.get("error")
+        for key in ("median_us", "min_us", "tbps", "frac_copy_bw", "bytes", "compile_s"):
+            assert _finite_positive(r[key]), (impl, key, r[key])
+        assert r["min_us"] <= r["median_us"] <= r["max_us"]
+        assert r["bytes"] == record["decode_bytes"]
+    for impl in ("pallas", "jax_paged_attention"):
+        assert rows[impl]["correct"] is True and not rows[impl]["nan"]
+        assert rows[impl]["rel_err"] < bench.REL_TOL
+        assert _finite_positive(rows[impl]["speedup_vs_jax"])
+    assert rows["pallas"]["config"] == record["default_config"]
+
+
+def test_smoke_write_rows(smoke):
+    _, doc, _ = smoke
+    rows = {(r["impl"], r["key"][4]): r for r in doc["writes"]}
+    assert set(rows) == {(i, k) for i in ("write_xla", "write_pallas") for k in ("step", "prefill")}
+    for r in rows.values():
+        assert r["status"] == "ok", r.get("error")
+        assert r["write_ok"] is True and r["donated"] is True
+        for key in ("median_us", "tbps", "frac_copy_bw", "rw_tbps", "rw_frac_copy_bw"):
+            assert _finite_positive(r[key]), key
+        assert r["rw_bytes"] > r["bytes"] and r["rw_tbps"] > r["tbps"]
+
+
+def test_smoke_outputs(smoke):
+    returned, doc, plot = smoke
+    assert returned["shapes"][0]["name"] == doc["shapes"][0]["name"]
+    assert plot.exists() and plot.stat().st_size > 1000
+
+
+def test_unknown_shape_is_an_error():
+    with pytest.raises(ValueError, match="unknown shape"):
+        bench.resolve_shapes("b32_ctx4096,nope", smoke=False)
+
+
+def test_cli_lists_shapes():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-m", "pallas_paged.bench", "--list"], check=True,
+                         capture_output=True, text=True, timeout=120, cwd=root, env=env).stdout
+    assert all(s.name in out for s in ALL_SHAPES + SMALL_SHAPES)
