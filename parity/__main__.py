@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="only cases with this cache dtype (float32, bfloat16, float16,"
                              " float8_e4m3fn or fp32/bf16/fp16/fp8); repeatable")
     parser.add_argument("--impl", action="append", default=None, choices=("xla", "pallas"),
-                        help="JAX implementation(s) to check (default: both); torch_ref always runs")
+                        help="JAX implementation(s) to check (default: both); torch_ref always"
+                             " runs")
     parser.add_argument("--seed", type=int, default=None,
                         help="replace every case's seed with this one")
     parser.add_argument("--full", action="store_true",
@@ -49,7 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, metavar="PATH", help="write the JSON report here")
     parser.add_argument("--interpret", action=argparse.BooleanOptionalAction, default=None,
                         help="force Pallas interpret mode on or off (default: on exactly for cpu)")
-    parser.add_argument("--list", action="store_true", help="print the selected case names and exit")
+    parser.add_argument("--list", action="store_true",
+                        help="print the selected case names and exit")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     return parser.parse_args(argv)
 

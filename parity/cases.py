@@ -1,4 +1,4 @@
-"""Parity cases: named, frozen shapes and options, and the numpy inputs each one draws from its seed.
+"""Parity cases: named, frozen shapes and options, and the numpy inputs each draws from its seed.
 
 A `Case` is one model-runner step: a write of new tokens into a paged cache, then decode attention
 over that cache. `make_inputs(case)` builds every array of the step from
@@ -6,7 +6,7 @@ over that cache. `make_inputs(case)` builds every array of the step from
 anywhere. The inputs are adversarial in the ways SPEC.md names:
 
 - physical blocks are a random permutation of ``[0, num_blocks)``, with ``spare_blocks`` unused
-  blocks mixed in among them; a block table lists a sequence's blocks in logical order (never sorted);
+  blocks mixed in among them; a block table lists a sequence's blocks in logical order (unsorted);
 - table entries past ``ceil(n / block_size)`` hold garbage: huge ids (``2**30``, ``2**31 - 1``,
   ``99999``), ids just past the end (``num_blocks``), negative ids (``-1``, ``-7``) and stale ids of
   real blocks (the most dangerous kind: reading one gives plausible numbers);
@@ -43,6 +43,7 @@ __all__ = [
     "NP_DTYPES",
     "apply_write",
     "decode_options",
+    "valid_slot_mask",
     "draw_lengths",
     "make_inputs",
     "suite",
@@ -76,7 +77,8 @@ class Case:
       dtype: the cache dtype, one of `DTYPES`; q and the new tokens share it, except that an fp8
         cache takes bf16 q and bf16 new tokens.
       lengths: ``"edges"`` (0, the capacity, 1, bs+1, bs, bs-1, as many as the batch holds in that
-        order, then uniform draws in ``[1, capacity]``; shuffled over the batch), ``"uniform"`` (each in ``[1, capacity]``), or an explicit tuple of ``batch`` ints.
+        order, then uniform draws in ``[1, capacity]``; shuffled over the batch), ``"uniform"``
+        (each in ``[1, capacity]``), or an explicit tuple of ``batch`` ints.
       max_blocks: the block tables' width; None means ``ceil(160 / block_size)``.
       seed: the only source of randomness.
       scale: softmax scale; None means ``1 / sqrt(head_dim)``.
@@ -133,7 +135,8 @@ class Case:
         else:
             if len(self.lengths) != self.batch:
                 raise ValueError(
-                    f"Case {self.name!r}: {len(self.lengths)} explicit lengths for batch={self.batch}")
+                    f"Case {self.name!r}: {len(self.lengths)} explicit lengths for"
+                    f" batch={self.batch}")
             if any(not 0 <= n <= self.capacity for n in self.lengths):
                 raise ValueError(
                     f"Case {self.name!r}: lengths={self.lengths} must lie in [0, capacity ="
@@ -360,8 +363,8 @@ FP8_SCALES = dict(k_scale=0.02, v_scale=0.03)
 ALL_OPTIONS = dict(logits_soft_cap=2.5, alibi=True, sliding_window=37, sinks=True, return_lse=True)
 
 DEFAULT_SUITE: tuple[Case, ...] = (
-    # Shapes: GQA ratios 1, 2, 3, 8 and MQA; head_dim 64 / 80 / 96 / 128; block sizes 1, 3, 5, 12, 16;
-    # all three float dtypes.
+    # Shapes: GQA ratios 1, 2, 3, 8 and MQA; head_dim 64 / 80 / 96 / 128; block sizes 1, 3, 5, 12,
+    # 16; all three float dtypes.
     _named(4, 4, 64, 16, "float32"),
     _named(4, 2, 64, 16, "bfloat16"),
     _named(8, 2, 128, 16, "bfloat16"),

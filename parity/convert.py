@@ -3,8 +3,9 @@
 Every array of a parity case starts as numpy (`parity.cases`) and reaches torch and JAX through
 here, so both frameworks see the same bits: low-precision values are rounded once, by ml_dtypes
 (round to nearest even), and then only reinterpreted. torch gets a bf16 / fp8 array as its raw
-integer bits viewed back as the float type (``torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)``),
-which never rounds and keeps NaN payloads; JAX takes ml_dtypes arrays natively.
+integer bits viewed back as the float type
+(``torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)``), which never rounds and keeps NaN
+payloads; JAX takes ml_dtypes arrays natively.
 
 It also holds the few other places where the harness touches a framework directly: choosing the
 devices, making torch's fp32 matmuls IEEE (no TF32), and waiting for asynchronous work before

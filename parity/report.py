@@ -50,7 +50,10 @@ def format_table(results: list[CaseResult]) -> str:
                      *(cell(r, o) for o in OUTPUTS), f"{seconds:.1f}s",
                      "ok" if r.passed else "FAIL"))
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    line = lambda row: "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()  # noqa: E731
+
+    def line(row):
+        return "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()
+
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 

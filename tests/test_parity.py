@@ -179,8 +179,8 @@ def _special_values(dtype) -> np.ndarray:
     width = np.dtype(dtype).itemsize
     raw = arr.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[width]).copy()
     if width > 1:  # odd NaN payloads and the smallest subnormal
-        nan_bits = {2: [0x7FC1, 0xFF81, 0x0001] if dtype != np.float16 else [0x7E01, 0xFC03, 0x0001],
-                    4: [0x7FC00123, 0xFF800001, 0x00000001]}[width]
+        half = [0x7E01, 0xFC03, 0x0001] if dtype is np.float16 else [0x7FC1, 0xFF81, 0x0001]
+        nan_bits = {2: half, 4: [0x7FC00123, 0xFF800001, 0x00000001]}[width]
         raw = np.concatenate([raw, np.array(nan_bits, dtype=raw.dtype)])
     else:
         raw = np.concatenate([raw, np.array([0x7F, 0xFF, 0x01], dtype=np.uint8)])
@@ -202,7 +202,8 @@ def test_conversion_is_bit_exact(dtype):
     assert x.dtype == arr.dtype and x.devices() == {jax.devices("cpu")[0]}
     assert arrays_equal_bits(convert.from_jax(x), arr)
     # The frameworks' own views of the bits agree too.
-    carrier = {1: (torch.uint8, jnp.uint8), 2: (torch.int16, jnp.uint16), 4: (torch.int32, jnp.uint32)}
+    carrier = {1: (torch.uint8, jnp.uint8), 2: (torch.int16, jnp.uint16),
+               4: (torch.int32, jnp.uint32)}
     t_int, j_int = carrier[arr.dtype.itemsize]
     torch_bits = t.view(t_int).numpy().view(convert.bits(arr).dtype)
     jax_bits = np.asarray(jax.lax.bitcast_convert_type(x, j_int))
@@ -242,7 +243,8 @@ def test_only_convert_imports_both_frameworks():
 def test_abs_errors_treat_nan_as_infinite_and_equal_infinities_as_equal():
     out = np.array([1.0, np.nan, -np.inf, np.inf, 2.0])
     truth = np.array([1.5, 0.0, -np.inf, -np.inf, np.nan])
-    np.testing.assert_array_equal(tolerance.abs_errors(out, truth), [0.5, np.inf, 0.0, np.inf, np.inf])
+    np.testing.assert_array_equal(tolerance.abs_errors(out, truth),
+                                  [0.5, np.inf, 0.0, np.inf, np.inf])
 
 
 def test_decode_tolerance_is_twice_the_baseline_error_plus_a_scaled_floor():
@@ -251,7 +253,8 @@ def test_decode_tolerance_is_twice_the_baseline_error_plus_a_scaled_floor():
     tol = tolerance.decode_tolerance("out", "bfloat16", truth, baseline)
     assert tol.scale == 4.0 and tol.baseline_err == pytest.approx(0.02)
     assert tol.value == pytest.approx(2 * 0.02 + 4.0 * 2**-8)
-    lse = tolerance.decode_tolerance("lse", "float32", np.array([-np.inf, 0.25]), np.array([-np.inf, 0.25]))
+    lse_values = np.array([-np.inf, 0.25])
+    lse = tolerance.decode_tolerance("lse", "float32", lse_values, lse_values.copy())
     assert lse.value == pytest.approx(1e-5) and lse.baseline_err == 0.0
     zeros = tolerance.decode_tolerance("out", "float16", np.zeros(3), np.zeros(3))
     assert zeros.value == 0.0  # an all-empty batch must give exact zeros
@@ -332,7 +335,8 @@ def fresh_jit():
     jax.clear_caches()
 
 
-def test_gqa_repeat_instead_of_repeat_interleave_is_caught(monkeypatch, fresh_jit, capsys, tmp_path):
+def test_gqa_repeat_instead_of_repeat_interleave_is_caught(monkeypatch, fresh_jit, capsys,
+                                                           tmp_path):
     original = pallas_paged.reference.decode_xla
 
     def tiled(q, k_cache, v_cache, *args, **kwargs):
@@ -380,7 +384,7 @@ def test_slot_minus_one_wrapping_to_the_last_slot_is_caught(monkeypatch, fresh_j
     detail = r.check("k_cache", "xla").detail
     assert "the last slot of the cache" in detail and "expected" in detail
     lines = report.failure_lines([r])
-    assert any(line.startswith(f"FAIL wrap_minus_one k_cache[xla]") for line in lines)
+    assert any(line.startswith("FAIL wrap_minus_one k_cache[xla]") for line in lines)
     assert "FAIL xla" in report.format_table([r])
 
 
