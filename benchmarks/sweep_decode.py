@@ -84,35 +84,50 @@ def configs_for(name, quick):
 
 
 def sweep_write(bw, num_tokens=16384, kv_heads=8, dim=128, block_size=16, dtype=jnp.bfloat16):
-    """write_kv of num_tokens tokens into a 4 GiB-class cache, donated, both impls."""
+    """write_kv of num_tokens tokens into a 0.5 GiB cache pair, donated: XLA and Pallas variants."""
+    from pallas_paged import write as write_module
+
     num_blocks = 16384
     rng = np.random.default_rng(0)
-    slots = rng.choice(num_blocks * block_size, num_tokens, replace=False).astype(np.int32)
+    slots = jnp.asarray(rng.choice(num_blocks * block_size, num_tokens, replace=False)
+                        .astype(np.int32))
     shape = (num_blocks, block_size, kv_heads, dim)
-    key = jax.random.key(1)
-    new = jax.random.normal(key, (num_tokens, kv_heads, dim), jnp.float32).astype(dtype)
+    new = jax.random.normal(jax.random.key(1), (num_tokens, kv_heads, dim), jnp.float32).astype(dtype)
+    rows = new.reshape(num_tokens, kv_heads * dim)
     written = 2 * new.nbytes
-    for impl in ("xla", "pallas"):
-        k_cache = jnp.zeros(shape, dtype)
-        v_cache = jnp.zeros(shape, dtype)
-        step = jax.jit(lambda kc, vc, k, v, s, impl=impl: pp.write_kv(kc, vc, k, v, s, impl=impl),
-                       donate_argnums=(0, 1))
-        caches = (k_cache, v_cache)
-        for _ in range(3):
-            caches = step(*caches, new, new, jnp.asarray(slots))
-        jax.block_until_ready(caches)
-        samples = []
-        for _ in range(7):
-            start = time.perf_counter()
-            for _ in range(20):
-                caches = step(*caches, new, new, jnp.asarray(slots))
+    variants = {"xla": None}
+    for elements, warps in itertools.product((2048, 4096, 8192, 16384), (4, 8)):
+        variants[f"pallas e{elements} w{warps}"] = dict(elements_per_program=elements, num_warps=warps)
+    for label, knobs in variants.items():
+        def step(kc, vc, knobs=knobs):
+            flat = (num_blocks * block_size, kv_heads * dim)
+            kf, vf = kc.reshape(flat), vc.reshape(flat)
+            if knobs is None:
+                kf, vf = write_module._write_xla(kf, vf, rows, rows, slots)
+            else:
+                kf, vf = write_module._write_pallas(kf, vf, rows, rows, slots, interpret=False,
+                                                    **knobs)
+            return kf.reshape(shape), vf.reshape(shape)
+        try:
+            fn = jax.jit(step, donate_argnums=(0, 1))
+            caches = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+            for _ in range(3):
+                caches = fn(*caches)
             jax.block_until_ready(caches)
-            samples.append((time.perf_counter() - start) / 20)
-        seconds = statistics.median(samples)
-        print(f"write_kv {impl:6s} {num_tokens} tokens: {seconds * 1e6:8.1f} us, written/time"
-              f" {written / seconds / bw:.3f} of copy bw, (read+written)/time"
-              f" {2 * written / seconds / bw:.3f}", flush=True)
-        del caches
+            samples = []
+            for _ in range(7):
+                start_t = time.perf_counter()
+                for _ in range(20):
+                    caches = fn(*caches)
+                jax.block_until_ready(caches)
+                samples.append((time.perf_counter() - start_t) / 20)
+            seconds = statistics.median(samples)
+            print(f"write_kv {label:20s} {num_tokens} tokens: {seconds * 1e6:8.1f} us, written/time"
+                  f" {written / seconds / bw:.3f} of copy bw, (read+written)/time"
+                  f" {2 * written / seconds / bw:.3f}", flush=True)
+            del caches
+        except Exception as exc:
+            print(f"write_kv {label} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
 
 def main(argv=None):
@@ -121,11 +136,14 @@ def main(argv=None):
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--json")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--write-only", action="store_true")
     args = parser.parse_args(argv)
     bw = copy_bandwidth()
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     if not args.no_write:
         sweep_write(bw)
+    if args.write_only:
+        return 0
     rows = []
     for name in args.shapes.split(","):
         inputs, kv_bytes = decode_inputs(**SHAPES[name])

@@ -39,7 +39,20 @@ from pallas_paged.platform import next_power_of_2, resolve_interpret, sm_count
 
 DECODE_IMPLS = ("pallas", "xla")
 MIN_DOT_ROWS = 16  # the smallest M of a Triton dot
+FP16_MAX = 65504.0
 HIGHEST = jax.lax.Precision.HIGHEST  # fp32 operands -> IEEE fp32 dot (Triton's default is TF32)
+
+
+def dot_dtype(q_dtype, cache_dtype):
+    """The operand dtype of the kernel's two dots (both accumulate in fp32).
+
+    The query's dtype, except for fp8 caches with a bf16 query: fp8 -> fp16 is one packed
+    conversion per two elements on sm_89+ where fp8 -> bf16 takes several, and fp16 holds every
+    e4m3 value exactly, so the dots run in fp16 (the query is clamped to fp16's range first).
+    """
+    if jnp.dtype(cache_dtype) == jnp.dtype(jnp.float8_e4m3fn) and q_dtype != jnp.float32:
+        return jnp.float16
+    return jnp.dtype(q_dtype)
 
 
 def _dot_nt(a, b):
@@ -112,6 +125,8 @@ def _paged_decode_kernel(
     row_ok, col_ok = rows < group, cols < head_dim
     q = plgpu.load(q_ref.at[b, h, rows[:, None], cols[None, :]],
                    mask=row_ok[:, None] & col_ok[None, :], other=0)  # [Gp, Dp]
+    if compute_dtype == jnp.float16 and q_ref.dtype != jnp.float16:
+        q = jnp.clip(q.astype(jnp.float32), -FP16_MAX, FP16_MAX)  # bf16 range > fp16 range
     q = q.astype(compute_dtype)
     if alibi_ref is not None:
         slopes = plgpu.load(alibi_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gp]
@@ -208,7 +223,7 @@ def _decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, co
     splits = config.num_splits
     padded_group = max(MIN_DOT_ROWS, next_power_of_2(group))
     padded_dim = max(16, next_power_of_2(head_dim))
-    compute_dtype = q.dtype if q.dtype != jnp.float32 else jnp.float32
+    compute_dtype = dot_dtype(q.dtype, k_cache.dtype)
     lens = context_lens.astype(jnp.int32)
     per_head = lambda x: None if x is None else x.reshape(kvh, group)  # noqa: E731
     kernel = functools.partial(

@@ -69,10 +69,12 @@ def _write_rows_kernel(
         plgpu.store(dst.at[safe_slots[:, None], cols[None, :]], rows, mask=mask)
 
 
-def _write_pallas(k_flat, v_flat, k_rows, v_rows, slots, *, interpret: bool):
+def _write_pallas(k_flat, v_flat, k_rows, v_rows, slots, *, interpret: bool,
+                  elements_per_program: int = 4096, num_warps: int = 4):
+    """One program copies ``elements_per_program / row_chunk`` tokens' rows (a chunk of each)."""
     num_tokens, row = k_rows.shape
     row_chunk = min(next_power_of_2(row), 1024)
-    tokens_per_program = max(1, min(16, 4096 // row_chunk))
+    tokens_per_program = max(1, min(64, elements_per_program // row_chunk))
     grid = (pl.cdiv(max(num_tokens, 1), tokens_per_program), pl.cdiv(row, row_chunk))
     kernel = functools.partial(_write_rows_kernel, tokens_per_program=tokens_per_program,
                                row_chunk=row_chunk)
@@ -82,7 +84,7 @@ def _write_pallas(k_flat, v_flat, k_rows, v_rows, slots, *, interpret: bool):
         out_shape=(jax.ShapeDtypeStruct(k_flat.shape, k_flat.dtype),
                    jax.ShapeDtypeStruct(v_flat.shape, v_flat.dtype)),
         input_output_aliases={3: 0, 4: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="pallas_paged_write_kv",
     )(slots, k_rows, v_rows, k_flat, v_flat)

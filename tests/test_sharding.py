@@ -51,14 +51,20 @@ LAYOUTS = {
     "tp4": ((4,), ("tp",), "tp", None),
     "dp4": ((4,), ("dp",), None, "dp"),
     "dp2xtp2": ((2, 2), ("dp", "tp"), "tp", "dp"),
+    # A machine with two GPUs (test_*_on_two_gpus).
+    "tp2": ((2,), ("tp",), "tp", None),
+    "dp2": ((2,), ("dp",), None, "dp"),
 }
+FOUR_DEVICE_LAYOUTS = ("tp4", "dp4", "dp2xtp2")
+TWO_GPUS = sum(d.platform == "gpu" for d in jax.devices()) >= 2
+needs_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16,
              "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
 
 
 def make_mesh(layout: str) -> Mesh:
     shape, names, _, _ = LAYOUTS[layout]
-    devices = np.array(jax.devices()[:NUM_DEVICES]).reshape(shape)
+    devices = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
     return Mesh(devices, names)
 
 
@@ -199,7 +205,7 @@ DECODE_CASES = {
 # Every layout for the XLA path and the full-featured kernel case; the plain kernel once (Pallas
 # interpret mode compiles slowly on CPU).
 DECODE_GRID = ([(case, layout) for case in ("xla-plain", "xla-ext", "pallas-ext-split")
-                for layout in LAYOUTS] + [("pallas-plain", "tp4")])
+                for layout in FOUR_DEVICE_LAYOUTS] + [("pallas-plain", "tp4")])
 DECODE_ARGS = ("q", "k_cache", "v_cache", "block_tables", "context_lens")
 HEAD_ARRAYS = ("alibi_slopes", "sinks")
 
@@ -231,6 +237,19 @@ def test_decode_matches_single_device(case, layout):
     The ``-ext`` cases turn on return_lse, sinks, ALiBi and the soft cap (the head-indexed arrays
     must be split with the heads); ``-split`` runs the kernel's split-K merge on every shard.
     """
+    check_decode(case, layout)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("case", ["pallas-plain", "pallas-ext-split", "xla-ext"])
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_decode_on_two_gpus(case, layout):
+    """The same check with the compiled kernel on a machine with two GPUs."""
+    check_decode(case, layout)
+
+
+def check_decode(case: str, layout: str) -> None:
     _, dtype, ext, _ = DECODE_CASES[case]
     mesh = make_mesh(layout)
     _, _, kv_axis, batch_axis = LAYOUTS[layout]
@@ -295,7 +314,7 @@ WRITE_CASES = {
     "pallas-bf16": ("pallas", "bfloat16", {}),
 }
 # Every layout for the plain XLA write; fp8 and the Pallas kernel on the 2-D mesh (both axes).
-WRITE_GRID = ([("xla-fp32", layout) for layout in LAYOUTS]
+WRITE_GRID = ([("xla-fp32", layout) for layout in FOUR_DEVICE_LAYOUTS]
               + [("xla-fp8", "dp2xtp2"), ("pallas-bf16", "dp2xtp2")])
 
 
@@ -314,6 +333,18 @@ def write_reference(case: str):
 def test_write_kv_in_place_matches_single_device(case, layout):
     """Bitwise equal to `write_kv` on one device (writing the same tokens twice changes nothing
     more); the donated caches are consumed and every device's buffers reused; no collectives."""
+    check_write(case, layout)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("case", ["pallas-bf16", "xla-fp8"])
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_write_kv_on_two_gpus(case, layout):
+    check_write(case, layout)
+
+
+def check_write(case: str, layout: str) -> None:
     impl, dtype, extra = WRITE_CASES[case]
     mesh = make_mesh(layout)
     _, _, kv_axis, batch_axis = LAYOUTS[layout]
@@ -436,7 +467,7 @@ def test_multi_device_checks_in_subprocess():
     env[CHILD_ENV] = "1"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
-           "-k", "not test_multi_device_checks_in_subprocess"]
+           "-k", "not test_multi_device_checks_in_subprocess", "-m", "not gpu"]
     proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
     report = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, f"the 4-device run failed:\n{report}"
