@@ -121,7 +121,7 @@ def test_no_tokens(rng, impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_donated_caches_are_updated_in_place(rng, impl):
     """With donation the output lives in the input's buffer: no cache-sized copy is made."""
-    k_cache, v_cache, k, v, slots = draw_write(rng, num_blocks=64, block_size=16, kvh=2,
+    k_cache, v_cache, k, v, slots = draw_write(rng, num_blocks=256, block_size=16, kvh=2,
                                                head_dim=64)
     step = jax.jit(functools.partial(pp.write_kv, impl=impl), donate_argnums=(0, 1))
     kc, vc = jnp.asarray(k_cache), jnp.asarray(v_cache)
@@ -132,8 +132,8 @@ def test_donated_caches_are_updated_in_place(rng, impl):
     assert kc.is_deleted() and vc.is_deleted()
     assert (new_k.unsafe_buffer_pointer(), new_v.unsafe_buffer_pointer()) == pointers
     memory = compiled.memory_analysis()
-    if memory is not None:  # no temporary buffer anywhere near the cache's size
-        assert memory.temp_size_in_bytes < k_cache.nbytes // 4
+    if memory is not None:  # a copy of a cache would need a temporary at least its size
+        assert memory.temp_size_in_bytes < k_cache.nbytes // 2
     expected_k, _ = write_torch(k_cache, v_cache, k, v, slots)
     np.testing.assert_array_equal(bits(new_k), bits(expected_k))
 
