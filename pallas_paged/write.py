@@ -70,8 +70,12 @@ def _write_rows_kernel(
 
 
 def _write_pallas(k_flat, v_flat, k_rows, v_rows, slots, *, interpret: bool,
-                  elements_per_program: int = 4096, num_warps: int = 4):
-    """One program copies ``elements_per_program / row_chunk`` tokens' rows (a chunk of each)."""
+                  elements_per_program: int = 4096, num_warps: int = 8):
+    """One program copies ``elements_per_program / row_chunk`` tokens' rows (a chunk of each).
+
+    The defaults were the fastest of 8 variants for a 16K-token bf16 write on the H200
+    (benchmarks/sweep_decode.py --write-only, docs/BENCHMARKS.md).
+    """
     num_tokens, row = k_rows.shape
     row_chunk = min(next_power_of_2(row), 1024)
     tokens_per_program = max(1, min(64, elements_per_program // row_chunk))

@@ -79,6 +79,12 @@ def bits(x) -> np.ndarray:
     return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.itemsize])
 
 
+def assert_within_rounding(actual, expected, what: str) -> None:
+    a, e = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    assert a.shape == e.shape, (what, a.shape, e.shape)
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-2, err_msg=what)
+
+
 def assert_bitwise_equal(actual, expected, what: str) -> None:
     a, e = np.asarray(actual), np.asarray(expected)
     assert a.shape == e.shape and a.dtype == e.dtype, (what, a.shape, a.dtype, e.shape, e.dtype)
@@ -263,13 +269,18 @@ def check_decode(case: str, layout: str) -> None:
     result = compiled(*args, **kwargs)
 
     expected = decode_reference(case)
+    # The Pallas kernel computes each (sequence, kv head) alone, so a shard's result is bitwise the
+    # single-device one everywhere. XLA's GPU fusions may reduce in another order for the smaller
+    # per-device shapes: there the XLA path is held to rounding instead.
+    exact = DECODE_CASES[case][0] == "pallas" or jax.default_backend() == "cpu"
+    same = assert_bitwise_equal if exact else assert_within_rounding
     if ext:
         (out, lse), (expected, expected_lse) = result, expected
-        assert_bitwise_equal(lse, expected_lse, "lse")
+        same(lse, expected_lse, "lse")
         assert_sharded(lse, shardings["lse"])
     else:
         out = result
-    assert_bitwise_equal(out, expected, "out")
+    same(out, expected, "out")
     assert_sharded(out, shardings["out"])
     assert np.isfinite(np.asarray(out, np.float32)).all()
 
