@@ -55,8 +55,9 @@ def decode_inputs(batch, ctx, heads=32, kv_heads=8, dim=128, block_size=16, dtyp
     key = jax.random.key(seed)
     k1, k2, k3 = jax.random.split(key, 3)
     shape = (num_blocks, block_size, kv_heads, dim)
-    k_cache = jax.random.normal(k1, shape, jnp.float32).astype(dtype)
-    v_cache = jax.random.normal(k2, shape, jnp.float32).astype(dtype)
+    spread = 16.0 if dtype == jnp.float8_e4m3fn else 1.0  # fp8 caches hold x / scale, scale 1/16
+    k_cache = (jax.random.normal(k1, shape, jnp.float32) * spread).astype(dtype)
+    v_cache = (jax.random.normal(k2, shape, jnp.float32) * spread).astype(dtype)
     q = jax.random.normal(k3, (batch, heads, dim), jnp.float32).astype(
         jnp.bfloat16 if dtype == jnp.float8_e4m3fn else dtype)
     kv_bytes = int(lens.sum()) * kv_heads * dim * jnp.dtype(dtype).itemsize * 2
@@ -68,10 +69,15 @@ SHAPES = {
     "b1_ctx32768": dict(batch=1, ctx=32768),
     "b128_ctx1024": dict(batch=128, ctx=1024),
     "b4_ctx131072": dict(batch=4, ctx=131072),
+    "fp8_b32_ctx4096": dict(batch=32, ctx=4096, dtype=jnp.float8_e4m3fn),
 }
 
 
 def configs_for(name, quick):
+    if name.startswith("fp8"):
+        for bk, s, w, st in itertools.product((128, 256), (1, 2), (4, 8), (2, 3)):
+            yield pp.DecodeConfig(block_k=bk, num_splits=s, num_warps=w, num_stages=st)
+        return
     if name == "b1_ctx32768" or name == "b4_ctx131072":
         splits = (16, 32, 64) if name == "b1_ctx32768" else (4, 8, 16)
     else:
@@ -147,12 +153,14 @@ def main(argv=None):
     rows = []
     for name in args.shapes.split(","):
         inputs, kv_bytes = decode_inputs(**SHAPES[name])
-        reference = np.asarray(pp.decode(*inputs, impl="xla").astype(jnp.float32)) \
+        scales = dict(k_scale=1 / 16, v_scale=1 / 16) if name.startswith("fp8") else {}
+        reference = np.asarray(pp.decode(*inputs, impl="xla", **scales).astype(jnp.float32)) \
             if kv_bytes < 8e9 else None
         candidates = [None, *configs_for(name, args.quick)]
         for config in candidates:
             try:
-                fn = jax.jit(lambda *a, c=config: pp.decode(*a, config=c))
+                scales = dict(k_scale=1 / 16, v_scale=1 / 16) if name.startswith("fp8") else {}
+                fn = jax.jit(lambda *a, c=config, kw=scales: pp.decode(*a, config=c, **kw))
                 out = np.asarray(fn(*inputs).astype(jnp.float32))
                 err = float(np.abs(out - reference).max()) if reference is not None else float("nan")
                 seconds = time_fn(fn, *inputs)

@@ -35,7 +35,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_paged import reference, tuned, validate
 from pallas_paged.config import DecodeConfig, DecodeShape
-from pallas_paged.platform import next_power_of_2, resolve_interpret, sm_count
+from pallas_paged.platform import (kernel_addresses_overflow, next_power_of_2, resolve_interpret,
+                                   sm_count)
 
 DECODE_IMPLS = ("pallas", "xla")
 MIN_DOT_ROWS = 16  # the smallest M of a Triton dot
@@ -316,7 +317,8 @@ def decode(
       sinks: ``f32[num_heads]``, one extra logit per head in the softmax denominator.
       k_scale, v_scale: static per-tensor dequantization scales of an fp8 cache.
       return_lse: also return ``lse f32[batch, num_heads]`` (``-inf`` for ``n == 0``).
-      impl: ``"pallas"`` (the kernel) or ``"xla"`` (plain jnp, the readable reference).
+      impl: ``"pallas"`` (the kernel) or ``"xla"`` (plain jnp, the readable reference). The kernel
+        cannot address fp8 caches of 2**31 to 2**32 elements (ValueError).
       interpret: Pallas interpret mode; None means exactly when there is no GPU backend.
       config: kernel knobs (`DecodeConfig`); None takes the tuned table's entry for this shape
         class, or the heuristic.
@@ -335,6 +337,11 @@ def decode(
                                     k_scale=k_scale, v_scale=v_scale, **options)
     if impl not in DECODE_IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {DECODE_IMPLS}")
+    if impl == "pallas" and kernel_addresses_overflow(k_cache.shape, k_cache.dtype):
+        raise ValueError(
+            f"impl='pallas' cannot address a {jnp.dtype(k_cache.dtype).name} cache of 2**31 to"
+            f" 2**32 elements ({k_cache.shape=}; Triton offsets stay 32-bit below 2**32 bytes):"
+            " use impl='xla', or a cache of fewer than 2**31 or more than 2**32 elements")
     if config is not None and not isinstance(config, DecodeConfig):
         raise ValueError(f"config must be a DecodeConfig or None, got {type(config).__name__}")
     batch, num_heads, head_dim = q.shape

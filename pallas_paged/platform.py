@@ -29,3 +29,15 @@ def sm_count() -> int:
 
 def next_power_of_2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def kernel_addresses_overflow(shape, dtype) -> bool:
+    """True for arrays the Pallas Triton lowering cannot address: it switches to 64-bit offsets
+    only above 2**32 bytes, so a 1-byte (fp8) array of 2**31 to 2**32 elements would index past
+    2**31 with 32-bit offsets. Such caches go through the XLA paths instead."""
+    import math
+
+    import numpy as np
+
+    elements = math.prod(shape)
+    return np.dtype(dtype).itemsize == 1 and 2**31 <= elements <= 2**32

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_paged import validate
-from pallas_paged.platform import next_power_of_2, resolve_interpret
+from pallas_paged.platform import kernel_addresses_overflow, next_power_of_2, resolve_interpret
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 WRITE_IMPLS = ("xla", "pallas")
@@ -136,7 +136,8 @@ def write_kv(
       slot_mapping: ``i32[num_tokens]`` (int64 accepted), the slot of each token or ``-1``.
       k_scale, v_scale: python floats, required for float8_e4m3fn caches and refused otherwise.
       impl: ``"xla"`` (a scatter) or ``"pallas"`` (a row-copy kernel); None picks ``"pallas"`` on a
-        GPU and ``"xla"`` elsewhere.
+        GPU and ``"xla"`` elsewhere (and for fp8 caches of 2**31 to 2**32 elements, which the
+        kernel cannot address).
       interpret: run the Pallas kernel in interpret mode; None means exactly when JAX has no GPU.
 
     Returns:
@@ -149,10 +150,15 @@ def write_kv(
         `validate_write_inputs` first to reject them eagerly.
     """
     validate.static_validate_write(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
+    too_big = kernel_addresses_overflow(k_cache.shape, k_cache.dtype)
     if impl is None:
-        impl = "xla" if resolve_interpret(None) else "pallas"
+        impl = "xla" if resolve_interpret(None) or too_big else "pallas"
     if impl not in WRITE_IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {WRITE_IMPLS}")
+    if impl == "pallas" and too_big:
+        raise ValueError(
+            f"impl='pallas' cannot address a {jnp.dtype(k_cache.dtype).name} cache of 2**31 to"
+            f" 2**32 elements ({k_cache.shape=}): use impl='xla' (the default picks it)")
     num_blocks, block_size, kvh, d = k_cache.shape
     if k_cache.dtype == jnp.float8_e4m3fn:
         k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)

@@ -180,3 +180,22 @@ def test_validate_write_rejects_bad_slots(slots, match):
 
 def test_validate_write_accepts_padding():
     pp.validate_write_inputs(**_write_args(slot_mapping=jnp.array([-1, 15, -1], jnp.int32)))
+
+
+def test_fp8_caches_the_kernel_cannot_address():
+    """1-byte caches of 2**31..2**32 elements: the decode kernel refuses, the write falls back to
+    XLA (checked on abstract shapes: nothing is allocated)."""
+    import jax
+
+    cache = jax.ShapeDtypeStruct((150_000, 16, 8, 128), jnp.float8_e4m3fn)  # 2.46e9 elements
+    q = jax.ShapeDtypeStruct((2, 32, 128), jnp.bfloat16)
+    tables, lens = jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32)
+    scales = dict(k_scale=1.0, v_scale=1.0)
+    with pytest.raises(ValueError, match="cannot address a float8_e4m3fn cache"):
+        jax.eval_shape(lambda *a: pp.decode(*a, impl="pallas", **scales), q, cache, cache, tables, lens)
+    jax.eval_shape(lambda *a: pp.decode(*a, impl="xla", **scales), q, cache, cache, tables, lens)
+    rows = jax.ShapeDtypeStruct((3, 8, 128), jnp.bfloat16)
+    slots = jax.ShapeDtypeStruct((3,), jnp.int32)
+    with pytest.raises(ValueError, match="cannot address a float8_e4m3fn cache"):
+        jax.eval_shape(lambda *a: pp.write_kv(*a, impl="pallas", **scales), cache, cache, rows, rows, slots)
+    jax.eval_shape(lambda *a: pp.write_kv(*a, **scales), cache, cache, rows, rows, slots)
