@@ -3,9 +3,11 @@
 One device call per mode, from the repository root::
 
     # bad tables, lengths and slots with the compiled kernels, under the CUDA memory checker
-    XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck \\
-        --target-processes all python3 scripts/gpu_hardening.py garbage --out $OUT
-    # caches of 150,000 x 16 x 8 x 128 (> 2**31 elements) in bf16 and in fp8
+    # (the platform allocator gives every buffer its own allocation, so memcheck sees its bounds)
+    PYTHONPATH=. XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck \\
+        --target-processes all python3 scripts/gpu_hardening.py garbage --out $OUT \\
+        2>&1 | tee $OUT/garbage_memcheck.txt | tail -40
+    # caches of 150,000 x 16 x 8 x 128 (> 2**31 elements) in bf16 and fp8, and 300,000 blocks in fp8
     PYTHONPATH=. python3 scripts/gpu_hardening.py huge --out $OUT
     # 20 repeated calls per split configuration at B=8, 2048 tokens, bf16, H=32, KVH=8, D=128
     PYTHONPATH=. python3 scripts/gpu_hardening.py determinism --out $OUT
@@ -16,12 +18,15 @@ Each case prints one ``PASS`` / ``FAIL`` line, each mode a ``SUMMARY`` line; ``$
 holds the cases (rewritten after every case, so a crash keeps what ran before it). The exit
 status is 1 when a case failed, 2 for a usage error. ``--small`` shrinks every shape (the huge
 caches to a few dozen blocks, with a pretend 2**31 boundary) so that the code paths run on a CPU
-in interpret mode; ``-k SUBSTRING`` runs only the cases whose name contains it.
+in interpret mode; ``-k SUBSTRING`` runs only the cases whose name contains it. The script puts
+the repository root on ``sys.path`` itself.
 
-Why fp8 is in ``huge``: Pallas' Triton lowering switches to 64-bit pointer offsets only when an
-array has more than 2**32 *bytes*; a 1-byte fp8 cache of 2**31..2**32 elements keeps 32-bit
-offsets whose element index passes 2**31. Those cases run last in the mode, because a fault can
-take the CUDA context down with it.
+Why fp8 is in ``huge`` twice: Pallas' Triton lowering switches to 64-bit pointer offsets only
+when an array has more than 2**32 *bytes*, so a 1-byte cache of 2**31..2**32 elements would keep
+32-bit offsets past 2**31. pallas_paged refuses such caches in its kernels (ValueError; the default
+write takes the XLA path): the ``fp8`` variant (150,000 blocks) checks the refusal and the XLA
+paths, the ``fp8_past_2_32`` variant (300,000 blocks, 4.9e9 elements) the kernels with 64-bit
+offsets past both boundaries.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -259,9 +265,12 @@ def compare_decode(out, expected, lens, q_dtype: str) -> dict:
     return dict(max_err=float(err.max()), bound=float(bound.min()))
 
 
+_take_blocks = jax.jit(lambda cache, ids: cache[ids])
+
+
 def fetch_blocks(cache, tables, lens, block_size):
     """The blocks each sequence reads, pulled to the host (only those)."""
-    take = jax.jit(lambda c, ids: c[ids])
+    take = _take_blocks
     out = []
     for row, n in zip(np.asarray(tables), np.asarray(lens)):
         nb = -(-int(max(n, 0)) // block_size)
@@ -307,7 +316,7 @@ def mode_garbage(args, runner: Runner):
 
     clean_tables = np.where(used, tables, 0).astype(np.int32)
     for impl, config in runs:
-        tag = impl if config is None else f"{impl}_bk{config.block_k}_s{config.num_splits}"
+        tag = run_tag(impl, config)
 
         def tails(impl=impl, config=config):
             clean = decode_bits(impl, config, clean_tables, lens)
@@ -409,7 +418,7 @@ class HugeShape:
     head_dim: int
     num_heads: int
     width: int  # max_blocks of the tables
-    boundary: int  # the first block whose elements all lie past 2**31 (or a pretend one)
+    boundaries: tuple[int, ...]  # first blocks wholly past 2**31 (and 2**32) elements (or pretend)
 
     @property
     def num_slots(self) -> int:
@@ -420,55 +429,100 @@ class HugeShape:
         return self.num_slots * self.kvh * self.head_dim
 
 
-def huge_shape(small: bool) -> HugeShape:
+def huge_variants(small: bool):
+    """``(name, dtype, fp8 scales, shape)`` of the huge caches, in the order they run."""
+    fp8_scales = dict(k_scale=0.5, v_scale=0.25)
     if small:
-        return HugeShape(num_blocks=48, block_size=4, kvh=2, head_dim=16, num_heads=4, width=8,
-                         boundary=24)
-    row = 16 * 8 * 128
-    return HugeShape(num_blocks=150_000, block_size=16, kvh=8, head_dim=128, num_heads=32,
-                     width=80, boundary=-(-2**31 // row))  # 131072
+        tiny = dict(block_size=4, kvh=2, head_dim=16, num_heads=4, width=8)
+        base = HugeShape(num_blocks=48, boundaries=(24,), **tiny)
+        past = HugeShape(num_blocks=96, boundaries=(24, 72), **tiny)
+    else:
+        row = 16 * 8 * 128
+        dims = dict(block_size=16, kvh=8, head_dim=128, num_heads=32, width=80)
+        at_2_31, at_2_32 = -(-2**31 // row), -(-2**32 // row)  # blocks 131072 and 262144
+        base = HugeShape(num_blocks=150_000, boundaries=(at_2_31,), **dims)
+        past = HugeShape(num_blocks=300_000, boundaries=(at_2_31, at_2_32), **dims)
+    return (("bf16", jnp.bfloat16, {}, base),
+            ("fp8", jnp.float8_e4m3fn, fp8_scales, base),  # 2**31..2**32 one-byte elements
+            ("fp8_past_2_32", jnp.float8_e4m3fn, fp8_scales, past))
 
 
 def huge_layout(s: HugeShape, rng):
-    """Tables and lengths of 4 sequences living past the boundary and at the very end."""
+    """Tables and lengths of 4 sequences living past the boundaries and at the very end."""
     bs, nb, w = s.block_size, s.num_blocks, s.width
     tables = np.empty((4, w), np.int64)
     tails = np.array([INT32_MAX, -1, nb, INT32_MIN])
     tables[:] = rng.choice(tails, (4, w))
     n0 = w * 4 // 5
-    tables[0, :n0] = rng.choice(np.arange(s.boundary, nb), n0, replace=False)
-    tables[1, :3] = [s.boundary - 1, s.boundary, nb - 1]  # straddles the boundary, ends at the end
+    tables[0, :n0] = rng.choice(np.arange(s.boundaries[-1], nb), n0, replace=False)
+    edges = [b for boundary in s.boundaries for b in (boundary - 1, boundary)] + [nb - 1]
+    tables[1, :len(edges)] = edges  # straddles each boundary, ends in the last block
     tables[2, :] = np.arange(nb - w, nb)[::-1]
-    # seq 1 ends on the second-to-last slot, which the write test writes
-    lens = np.array([n0 * bs - 5, 3 * bs - 1, w * bs, 0], np.int32)
+    # seq 1 ends on the second-to-last slot of the cache, which the writes write
+    lens = np.array([n0 * bs - 5, len(edges) * bs - 1, w * bs, 0], np.int32)
     return tables.astype(np.int32), lens
 
 
 def huge_write_slots(s: HugeShape):
     bs, ns = s.block_size, s.num_slots
+    real = [slot for boundary in s.boundaries
+            for slot in (boundary * bs - 1, boundary * bs, boundary * bs + 7)]
     # the very last slot stays unwritten, so that a -1 wrapping onto it would show
-    real = [s.boundary * bs - 1, s.boundary * bs, s.boundary * bs + 7, (s.num_blocks - 10) * bs + 3,
-            (s.num_blocks - 1) * bs, ns - 2]
+    real += [(s.num_blocks - 10) * bs + 3, (s.num_blocks - 1) * bs, ns - 2]
     return np.array(real + [-1, ns, INT32_MAX], np.int32), len(real)
 
 
+def kernel_refuses(shape, dtype) -> bool:
+    """Whether pallas_paged refuses this cache for its kernels (1-byte caches of 2**31..2**32
+    elements: Triton keeps 32-bit offsets below 2**32 bytes)."""
+    try:
+        from pallas_paged.platform import kernel_addresses_overflow
+    except ImportError:  # a version without the check: expect the kernels to run
+        return False
+    return kernel_addresses_overflow(shape, dtype)
+
+
+def expect_refusal(fn):
+    """Run ``fn``; PASS when it raises the documented ValueError, FAIL when it runs."""
+    try:
+        jax.block_until_ready(fn())
+    except ValueError as e:
+        check("cannot address" in str(e), f"a different ValueError: {e}")
+        return dict(refused=True, message=str(e)[:200])
+    raise CaseFailure("the kernel ran on a cache it cannot address (expected a ValueError)")
+
+
 def mode_huge(args, runner: Runner):
-    s = huge_shape(args.small)
+    for name, dtype, scales, s in huge_variants(args.small):
+        huge_variant(args, runner, name, dtype, scales, s)
+
+
+def huge_variant(args, runner: Runner, dtype_name: str, dtype, scales: dict, s: HugeShape):
     on_gpu = jax.default_backend() == "gpu"
-    print(f"huge: cache [{s.num_blocks}, {s.block_size}, {s.kvh}, {s.head_dim}] ="
-          f" {s.elements:,} elements (2**31 = {2**31:,}); boundary block {s.boundary}"
-          f" (first element offset {s.boundary * s.block_size * s.kvh * s.head_dim:,})", flush=True)
+    shape = (s.num_blocks, s.block_size, s.kvh, s.head_dim)
+    refuses = kernel_refuses(shape, dtype)
+    row = s.block_size * s.kvh * s.head_dim
+    print(f"huge/{dtype_name}: cache {list(shape)} {jnp.dtype(dtype).name} ="
+          f" {s.elements:,} elements"
+          f" ({s.elements * jnp.dtype(dtype).itemsize:,} bytes; 2**31 = {2**31:,}, 2**32 ="
+          f" {2**32:,}); boundary blocks {list(s.boundaries)} (first element offsets"
+          f" {[b * row for b in s.boundaries]}); kernels refuse it: {refuses}", flush=True)
     rng = np.random.default_rng(1)
     tables, lens = huge_layout(s, rng)
     slots, num_real = huge_write_slots(s)
     q = rng.standard_normal((4, s.num_heads, s.head_dim)).astype(BF16)
-    shape = (s.num_blocks, s.block_size, s.kvh, s.head_dim)
     state = {}
 
     @functools.partial(jax.jit, static_argnums=(1,))
     def build(key, dtype):
         x = jax.random.normal(key, shape, jnp.bfloat16)
         return x.astype(dtype)
+
+    @functools.partial(jax.jit, static_argnums=(1,))
+    def build_from_pool(key, dtype):
+        """Fallback: 4099 random blocks repeated (a prime period, so neighbours differ)."""
+        pool = jax.random.normal(key, (4099, *shape[1:]), jnp.bfloat16).astype(dtype)
+        return pool[jnp.arange(shape[0]) % 4099]
 
     @jax.jit
     def changed_slots(after, before):
@@ -480,90 +534,107 @@ def mode_huge(args, runner: Runner):
     def rows_at(cache, idx):
         return cache.reshape(s.num_slots, s.kvh, s.head_dim)[idx]
 
-    for dtype_name, dtype, scales in (("bf16", jnp.bfloat16, {}),
-                                      ("fp8", jnp.float8_e4m3fn, dict(k_scale=0.5, v_scale=0.25))):
-        def make_caches(dtype=dtype):
-            state.clear()
-            start = time.perf_counter()
-            key = jax.random.PRNGKey(7)
+    def make_caches():
+        state.clear()
+        start = time.perf_counter()
+        key = jax.random.PRNGKey(7)
+        how = "jax.random.normal"
+        try:
             state["k"] = build(jax.random.fold_in(key, 0), dtype)
             state["v"] = build(jax.random.fold_in(key, 1), dtype)
             jax.block_until_ready((state["k"], state["v"]))
-            nbytes = state["k"].size * state["k"].dtype.itemsize
-            return dict(seconds=round(time.perf_counter() - start, 3), elements=int(state["k"].size),
-                        bytes_per_cache=int(nbytes), over_2_32_bytes=nbytes > 2**32,
-                        over_2_31_elements=state["k"].size > 2**31)
-
-        built = f"{dtype_name}/build"
-        runner.case(built, make_caches, always=True)
-
-        def write_case(impl, dtype_name=dtype_name, scales=scales):
-            write = jax.jit(functools.partial(pp.write_kv, impl=impl, **scales),
-                            donate_argnums=(0, 1))
-            new_dtype = np.float32 if scales else BF16
-            new = (rng.standard_normal((2, len(slots), s.kvh, s.head_dim)) * 0.3).astype(new_dtype)
-            new[:, slots < 0] = PAD_SENTINEL
-            before = [jnp.copy(state["k"]), jnp.copy(state["v"])]
-            args_ = (jnp.asarray(new[0]), jnp.asarray(new[1]), jnp.asarray(slots))
-            start = time.perf_counter()
-            state["k"], state["v"] = write(state["k"], state["v"], *args_)
+        except Exception as e:  # noqa: BLE001
+            print(f"random fill of the whole cache failed ({type(e).__name__}: {e});"
+                  " using a repeated pool of random blocks", flush=True)
+            state.clear()
+            how = "pool of 4099 random blocks"
+            state["k"] = build_from_pool(jax.random.fold_in(key, 0), dtype)
+            state["v"] = build_from_pool(jax.random.fold_in(key, 1), dtype)
             jax.block_until_ready((state["k"], state["v"]))
-            seconds = time.perf_counter() - start
-            real = slots[:num_real]
-            for name, rows, scale in (("k", new[0], scales.get("k_scale")),
-                                      ("v", new[1], scales.get("v_scale"))):
-                changed = np.flatnonzero(np.asarray(changed_slots(state[name], before[0 if name == "k" else 1])))
-                check(set(changed.tolist()) <= set(real.tolist()),
-                      f"{name}_cache: slots {sorted(set(changed.tolist()) - set(real.tolist()))[:8]}"
-                      " changed that no token targets", changed=changed[:16].tolist())
-                got = np.asarray(rows_at(state[name], jnp.asarray(real)))
-                want = rows[:num_real] if scale is None else quantize_fp8_host(rows[:num_real], scale)
-                diff = (raw_bits(got) != raw_bits(want.astype(got.dtype))).any(axis=(1, 2))
-                check(not diff.any(), f"{name}_cache: wrong bits at slots {real[diff].tolist()}",
-                      wrong_slots=real[diff].tolist())
-            del before
-            return dict(seconds_incl_compile=round(seconds, 3), slots=real.tolist())
+        nbytes = state["k"].size * state["k"].dtype.itemsize
+        return dict(seconds=round(time.perf_counter() - start, 3), fill=how,
+                    elements=int(state["k"].size), bytes_per_cache=int(nbytes),
+                    over_2_32_bytes=nbytes > 2**32, over_2_31_elements=state["k"].size > 2**31)
 
-        def decode_case(impl, config, dtype_name=dtype_name, scales=scales):
-            if "ref" not in state:
-                kb = fetch_blocks(state["k"], tables, lens, s.block_size)
-                vb = fetch_blocks(state["v"], tables, lens, s.block_size)
-                state["ref"] = reference_decode(q, kb, vb, lens, s.block_size,
-                                                k_scale=scales.get("k_scale"),
-                                                v_scale=scales.get("v_scale"))
-            fn = functools.partial(pp.decode, impl=impl, config=config, return_lse=True, **scales)
-            (out, lse), first, steady = timed(fn, jnp.asarray(q), state["k"], state["v"],
-                                              jnp.asarray(tables), jnp.asarray(lens),
-                                              repeat=3 if on_gpu else 0)
-            result = compare_decode(out, state["ref"][0], lens, "bfloat16")
-            lse = np.asarray(lse)
-            live = lens > 0
-            lse_err = float(np.abs(lse[live] - state["ref"][1][live]).max())
-            check(lse_err < 1e-3, f"lse error {lse_err}", lse_err=lse_err)
-            check(bool(np.isneginf(lse[~live]).all()), "lse of the empty row is not -inf")
-            return dict(result, lse_err=lse_err, first_call_s=round(first, 3),
-                        steady_s=None if steady is None else round(steady, 5))
+    def write_case(impl):
+        write = jax.jit(functools.partial(pp.write_kv, impl=impl, **scales), donate_argnums=(0, 1))
+        new_dtype = np.float32 if scales else BF16
+        new = (rng.standard_normal((2, len(slots), s.kvh, s.head_dim)) * 0.3).astype(new_dtype)
+        new[:, slots < 0] = PAD_SENTINEL
+        args_ = (jnp.asarray(new[0]), jnp.asarray(new[1]), jnp.asarray(slots))
+        if impl == "pallas" and refuses:
+            return expect_refusal(lambda: jax.eval_shape(write, state["k"], state["v"], *args_))
+        before = [jnp.copy(state["k"]), jnp.copy(state["v"])]
+        start = time.perf_counter()
+        state["k"], state["v"] = write(state["k"], state["v"], *args_)
+        jax.block_until_ready((state["k"], state["v"]))
+        seconds = time.perf_counter() - start
+        real = slots[:num_real]
+        for i, (name, rows, scale) in enumerate((("k", new[0], scales.get("k_scale")),
+                                                 ("v", new[1], scales.get("v_scale")))):
+            changed = np.flatnonzero(np.asarray(changed_slots(state[name], before[i])))
+            stray = sorted(set(changed.tolist()) - set(real.tolist()))
+            check(not stray, f"{name}_cache: slots {stray[:8]} changed that no token targets",
+                  changed=changed[:16].tolist())
+            got = np.asarray(rows_at(state[name], jnp.asarray(real)))
+            want = rows[:num_real] if scale is None else quantize_fp8_host(rows[:num_real], scale)
+            diff = (raw_bits(got) != raw_bits(want.astype(got.dtype))).any(axis=(1, 2))
+            check(not diff.any(), f"{name}_cache: wrong bits at slots {real[diff].tolist()}",
+                  wrong_slots=real[diff].tolist())
+        del before
+        state.pop("ref", None)  # the caches changed: recompute the reference
+        return dict(seconds_incl_compile=round(seconds, 3), slots=real.tolist())
 
-        decode_runs = [("xla", None), ("pallas", None), ("pallas", C(64, 4))]
-        if dtype_name == "bf16":
-            order = ([("write", "xla"), ("write", "pallas")]
-                     + [("decode", r) for r in decode_runs])
-        else:  # the kernels' risky 32-bit offsets go last: a fault may end the process
-            order = ([("write", "xla"), ("decode", decode_runs[0])]
-                     + [("decode", r) for r in decode_runs[1:]] + [("write", "pallas")])
-        for kind, what in order:
-            if kind == "write":
-                state.pop("ref", None)  # the caches change: recompute the reference
-                runner.case(f"{dtype_name}/write/{what}", functools.partial(write_case, what),
-                            requires=(built,))
-            else:
-                impl, config = what
-                tag = impl if config is None and impl == "xla" else (
-                    f"{impl}_default" if config is None else
-                    f"{impl}_bk{config.block_k}_s{config.num_splits}")
-                runner.case(f"{dtype_name}/decode/{tag}",
-                            functools.partial(decode_case, impl, config), requires=(built,))
-        state.clear()
+    def decode_case(impl, config):
+        fn = functools.partial(pp.decode, impl=impl, config=config, return_lse=True, **scales)
+        call_args = (jnp.asarray(q), state["k"], state["v"], jnp.asarray(tables),
+                     jnp.asarray(lens))
+        if impl == "pallas" and refuses:
+            return expect_refusal(lambda: jax.eval_shape(fn, *call_args))
+        if "ref" not in state:
+            kb = fetch_blocks(state["k"], tables, lens, s.block_size)
+            vb = fetch_blocks(state["v"], tables, lens, s.block_size)
+            state["ref"] = reference_decode(q, kb, vb, lens, s.block_size,
+                                            k_scale=scales.get("k_scale"),
+                                            v_scale=scales.get("v_scale"))
+        (out, lse), first, steady = timed(fn, *call_args, repeat=3 if on_gpu else 0)
+        result = compare_decode(out, state["ref"][0], lens, "bfloat16")
+        lse = np.asarray(lse)
+        live = lens > 0
+        lse_err = float(np.abs(lse[live] - state["ref"][1][live]).max())
+        check(lse_err < 1e-3, f"lse error {lse_err}", lse_err=lse_err)
+        check(bool(np.isneginf(lse[~live]).all()), "lse of the empty row is not -inf")
+        return dict(result, lse_err=lse_err, first_call_s=round(first, 3),
+                    steady_s=None if steady is None else round(steady, 5))
+
+    order = [("write", "xla"), ("write", "pallas"), ("write", None)]
+    order += [("decode", run) for run in (("xla", None), ("pallas", None), ("pallas", C(64, 4)))]
+    names = [huge_case_name(dtype_name, kind, what) for kind, what in order]
+    built = f"{dtype_name}/build"
+    if runner.only and not any(runner.only in n for n in names + [built]):
+        return  # -k selects none of this variant's cases: do not build its caches
+    runner.case(built, make_caches, always=True)
+    for (kind, what), name in zip(order, names):
+        if kind == "write":
+            runner.case(name, functools.partial(write_case, what), requires=(built,))
+        else:
+            runner.case(name, functools.partial(decode_case, *what), requires=(built,))
+    state.clear()
+
+
+def huge_case_name(dtype_name: str, kind: str, what) -> str:
+    if kind == "write":
+        return f"{dtype_name}/write/{what or 'default'}"
+    impl, config = what
+    return f"{dtype_name}/decode/{run_tag(impl, config)}"
+
+
+def run_tag(impl: str, config) -> str:
+    if impl == "xla":
+        return "xla"
+    if config is None:
+        return f"{impl}_default"
+    return f"{impl}_bk{config.block_k}_s{config.num_splits}"
 
 
 def _uint_for(dtype):
@@ -592,7 +663,8 @@ def mode_determinism(args, runner: Runner):
     lens = rng.integers(1, ctx + 1, b).astype(np.int32)
     lens[0] = ctx
     options = dict(logits_soft_cap=30.0, sliding_window=ctx // 2, return_lse=True,
-                   alibi_slopes=jnp.asarray(np.exp2(-8.0 * np.arange(1, h + 1) / h).astype(np.float32)),
+                   alibi_slopes=jnp.asarray(
+                       np.exp2(-8.0 * np.arange(1, h + 1) / h).astype(np.float32)),
                    sinks=jnp.asarray(rng.standard_normal(h).astype(np.float32)))
     args_ = (jnp.asarray(q), k_cache, v_cache, jnp.asarray(tables), jnp.asarray(lens))
     kb = fetch_blocks(k_cache, tables, lens, bs)
@@ -606,8 +678,7 @@ def mode_determinism(args, runner: Runner):
     runs = [("xla", None, False)] + [("pallas", c, False) for c in configs]
     runs += [("xla", None, True), ("pallas", C(64 if not args.small else 16, 4), True)]
     for impl, config, with_options in runs:
-        tag = impl if config is None and impl == "xla" else (
-            f"{impl}_default" if config is None else f"{impl}_bk{config.block_k}_s{config.num_splits}")
+        tag = run_tag(impl, config)
         if with_options:
             tag += "_all_options"
 
@@ -661,7 +732,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="directory for the JSON summaries")
     parser.add_argument("--small", action="store_true",
                         help="tiny shapes: runs on a CPU (interpret mode) in a minute or two")
-    parser.add_argument("-k", dest="only", default=None, help="run only cases whose name contains this")
+    parser.add_argument("-k", dest="only", default=None,
+                        help="run only the cases whose name contains this")
     parser.add_argument("--repeats", type=int, default=20, help="calls per determinism case")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
