@@ -40,7 +40,7 @@ from pallas_paged.platform import (kernel_addresses_overflow, next_power_of_2, r
 
 DECODE_IMPLS = ("pallas", "xla")
 MIN_DOT_ROWS = 16  # the smallest M of a Triton dot
-FP16_MAX = 65504.0
+FP16_SAFE_MAX = 2.0**15  # a bf16 query is scaled under this before its fp16 dot
 HIGHEST = jax.lax.Precision.HIGHEST  # fp32 operands -> IEEE fp32 dot (Triton's default is TF32)
 
 
@@ -49,7 +49,10 @@ def dot_dtype(q_dtype, cache_dtype):
 
     The query's dtype, except for fp8 caches with a bf16 query: fp8 -> fp16 is one packed
     conversion per two elements on sm_89+ where fp8 -> bf16 takes several, and fp16 holds every
-    e4m3 value exactly, so the dots run in fp16 (the query is clamped to fp16's range first).
+    e4m3 value exactly, so the dots run in fp16. fp16 holds every bf16 value of magnitude
+    2**-14 .. 2**15 exactly; the kernel divides the query by a power of two that brings it under
+    2**15 (and multiplies the scores back), so only elements below 2**-14 of the largest lose
+    bits, far under the rounding of the scores.
     """
     if jnp.dtype(cache_dtype) == jnp.dtype(jnp.float8_e4m3fn) and q_dtype != jnp.float32:
         return jnp.float16
@@ -126,8 +129,15 @@ def _paged_decode_kernel(
     row_ok, col_ok = rows < group, cols < head_dim
     q = plgpu.load(q_ref.at[b, h, rows[:, None], cols[None, :]],
                    mask=row_ok[:, None] & col_ok[None, :], other=0)  # [Gp, Dp]
+    score_scale = scale if k_scale is None else scale * k_scale
     if compute_dtype == jnp.float16 and q_ref.dtype != jnp.float16:
-        q = jnp.clip(q.astype(jnp.float32), -FP16_MAX, FP16_MAX)  # bf16 range > fp16 range
+        # bf16's range is wider than fp16's: divide q by a power of two that brings max |q| under
+        # 2**15 (exact), and multiply the scores back by it.
+        q = q.astype(jnp.float32)
+        q_max = jnp.max(jnp.max(jnp.abs(q), axis=1), axis=0)
+        q_shift = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(q_max / FP16_SAFE_MAX)), 0.0))
+        q = q / q_shift
+        score_scale = score_scale * q_shift
     q = q.astype(compute_dtype)
     if alibi_ref is not None:
         slopes = plgpu.load(alibi_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gp]
@@ -143,7 +153,7 @@ def _paged_decode_kernel(
         kv_mask = valid[:, None] & col_ok[None, :]
         k = plgpu.load(k_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=0.0)  # [Tk, Dp]
         s = _dot_nt(q, k.astype(compute_dtype))  # f32[Gp, Tk]
-        s = s * (scale if k_scale is None else scale * k_scale)
+        s = s * score_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         if alibi_ref is not None:
