@@ -13,19 +13,14 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from parity import convert
+
 NP_DTYPES = {
     "float32": np.float32,
     "bfloat16": ml_dtypes.bfloat16,
     "float16": np.float16,
     "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
 }
-TORCH_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
-_BITS = {1: (np.uint8, torch.uint8), 2: (np.int16, torch.int16), 4: (np.int32, torch.int32)}
 
 
 @dataclasses.dataclass
@@ -53,29 +48,18 @@ class Paged:
 
 
 def to_torch(x: np.ndarray) -> torch.Tensor:
-    """Bit-exact numpy -> torch (bf16 and fp8 through their raw bits)."""
-    name = np.dtype(x.dtype).name
-    if name in ("bfloat16", "float8_e4m3fn"):
-        np_bits, torch_bits = _BITS[x.dtype.itemsize]
-        return torch.from_numpy(np.ascontiguousarray(x).view(np_bits)).view(TORCH_DTYPES[name])
-    return torch.from_numpy(np.ascontiguousarray(x))
+    """Bit-exact numpy -> torch on the CPU (bf16 and fp8 through their raw bits)."""
+    return convert.to_torch(np.asarray(x), "cpu")
 
 
 def to_numpy(x) -> np.ndarray:
     """torch or jax array -> numpy, bit-exact."""
-    if isinstance(x, torch.Tensor):
-        name = str(x.dtype).removeprefix("torch.")
-        if name in ("bfloat16", "float8_e4m3fn"):
-            np_bits, torch_bits = _BITS[x.element_size()]
-            return x.contiguous().view(torch_bits).numpy().view(NP_DTYPES[name])
-        return x.numpy()
-    return np.asarray(x)
+    return convert.from_torch(x) if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
 def bits(x) -> np.ndarray:
     """The raw bits of an array, so that NaN == NaN in comparisons."""
-    x = to_numpy(x)
-    return np.ascontiguousarray(x).view(_BITS[x.dtype.itemsize][0])
+    return convert.bits(to_numpy(x))
 
 
 def make_paged(rng: np.random.Generator, *, lens, num_heads=4, num_kv_heads=2, head_dim=32,

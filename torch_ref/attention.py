@@ -69,8 +69,14 @@ def attend(
     return out, m + torch.log(denom)
 
 
-def _finish(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, return_lse: bool):
-    out = out.to(dtype)
+def _finish(outs: list, lses: list, q: torch.Tensor, return_lse: bool):
+    """Stack the per-sequence results, cast the output once to ``q.dtype``."""
+    batch, num_heads, head_dim = q.shape
+    if batch == 0:
+        out = q.new_zeros(0, num_heads, head_dim)
+        lse = q.new_zeros(0, num_heads, dtype=torch.float32)
+    else:
+        out, lse = torch.stack(outs).to(q.dtype), torch.stack(lses)
     return (out, lse) if return_lse else out
 
 
@@ -137,7 +143,7 @@ def paged_decode_attention(
                    sliding_window=sliding_window, sinks=sinks)
     _checks.check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale,
                                 v_scale, options)
-    batch, num_heads, head_dim = q.shape
+    batch, _, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
@@ -156,10 +162,7 @@ def paged_decode_attention(
                           sinks=sinks)
         outs.append(out)
         lses.append(lse)
-    if batch == 0:
-        empty = q.new_zeros(0, num_heads, head_dim, dtype=torch.float32)
-        return _finish(empty, empty[:, :, 0], q.dtype, return_lse)
-    return _finish(torch.stack(outs), torch.stack(lses), q.dtype, return_lse)
+    return _finish(outs, lses, q, return_lse)
 
 
 def dense_decode_attention(
@@ -193,7 +196,7 @@ def dense_decode_attention(
     options = dict(logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
                    sliding_window=sliding_window, sinks=sinks)
     _checks.check_dense_inputs(q, k, v, context_lens, scale, options)
-    batch, num_heads, head_dim = q.shape
+    batch, _, head_dim = q.shape
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     outs, lses = [], []
@@ -204,7 +207,4 @@ def dense_decode_attention(
                           logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks)
         outs.append(out)
         lses.append(lse)
-    if batch == 0:
-        empty = q.new_zeros(0, num_heads, head_dim, dtype=torch.float32)
-        return _finish(empty, empty[:, :, 0], q.dtype, return_lse)
-    return _finish(torch.stack(outs), torch.stack(lses), q.dtype, return_lse)
+    return _finish(outs, lses, q, return_lse)
