@@ -189,12 +189,11 @@ def _paged_decode_kernel(
         acc = acc * correction[:, None]
         l = l * correction + jnp.exp(sink - m_total)
         m = m_total
-    o_ref = out_refs[0]
+    o_ref, lse_ref = out_refs
     out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
     plgpu.store(o_ref.at[b, h, rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=out_mask)
-    if len(out_refs) == 2:
-        lse = jnp.where(n > 0, m + jnp.log(l), -jnp.inf)
-        plgpu.store(out_refs[1].at[b, h, rows], lse, mask=row_ok)
+    lse = jnp.where(n > 0, m + jnp.log(l), -jnp.inf)
+    plgpu.store(lse_ref.at[b, h, rows], lse, mask=row_ok)
 
 
 def _merge_splits(o, m, l, n, sinks):
