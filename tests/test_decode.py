@@ -16,6 +16,7 @@ import torch
 
 import pallas_paged as pp
 import torch_ref
+from oracle import oracle_paged_attention
 from paged_inputs import make_paged, to_numpy, to_torch
 
 IMPLS = ("xla", "pallas")
@@ -142,7 +143,8 @@ def test_i4_paged_equals_dense(rng, impl):
 
 
 def numpy_attention(paged, kv_head_of):
-    """float64 attention with an explicit head mapping ``kv_head_of(h)``."""
+    """float64 attention with an explicit head mapping ``kv_head_of(h)`` (the oracle has the
+    right one built in; this shows what a wrong one would give)."""
     _, num_heads, head_dim = paged.q.shape
     block_size = paged.k_cache.shape[1]
     out = np.zeros(paged.q.shape)
@@ -162,8 +164,9 @@ def numpy_attention(paged, kv_head_of):
 def test_i5_gqa_is_repeat_interleave(rng, impl, num_heads):
     paged = make_paged(rng, lens=[9, 14], num_heads=num_heads, num_kv_heads=2)
     out = assert_matches_torch(paged, impl, "float32")
-    group = num_heads // 2
-    np.testing.assert_allclose(out, numpy_attention(paged, lambda h: h // group), atol=1e-5)
+    expected, _ = oracle_paged_attention(paged.q, paged.k_cache, paged.v_cache,
+                                         paged.block_tables, paged.context_lens)
+    np.testing.assert_allclose(out, expected, atol=1e-5)
     # `repeat` (h -> h % KVH) gives a clearly different answer on these inputs.
     assert np.abs(out - numpy_attention(paged, lambda h: h % 2)).max() > 1e-2
 
@@ -229,16 +232,10 @@ def test_fp32_is_fp32_accurate(rng, impl):
     paged = make_paged(rng, lens=[200, 77], num_heads=4, num_kv_heads=1, head_dim=64,
                        block_size=16, fill=0.0)
     paged.q *= 4  # sharper softmax: rounding of the scores shows
-    q = torch.from_numpy(paged.q).double()
-    expected = []
-    for b, n in enumerate(paged.context_lens):
-        rows = [paged.block_tables[b, p // 16] * 16 + p % 16 for p in range(n)]
-        k = torch.from_numpy(paged.k_cache.reshape(-1, 1, 64)[rows, 0]).double()
-        v = torch.from_numpy(paged.v_cache.reshape(-1, 1, 64)[rows, 0]).double()
-        w = torch.softmax(q[b] @ k.T / 8.0, dim=-1)
-        expected.append((w @ v).numpy())
+    expected, _ = oracle_paged_attention(paged.q, paged.k_cache, paged.v_cache, paged.block_tables,
+                                         paged.context_lens)
     out = run_jax(paged, impl)
-    assert np.abs(out - np.stack(expected)).max() < 5e-6
+    assert np.abs(out - expected).max() < 5e-6
 
 
 @pytest.mark.parametrize("impl", IMPLS)
