@@ -27,7 +27,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python -m pallas_paged.bench $(ARGS)
+	$(BIN)/python -m benchmarks.bench $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -4,7 +4,7 @@
 
 Prints one line per (shape, config): median time, achieved K/V bandwidth and its fraction of the
 copy bandwidth measured at the start of the same run. For the full benchmark with every baseline
-see `python -m pallas_paged.bench`.
+see `python -m benchmarks.bench`.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def configs_for(name, quick):
 
 def sweep_write(bw, num_tokens=16384, kv_heads=8, dim=128, block_size=16, dtype=jnp.bfloat16):
     """write_kv of num_tokens tokens into a 0.5 GiB cache pair, donated: XLA and Pallas variants."""
-    from pallas_paged import write as write_module
+    from pallas_paged.cache_write.pallas_triton import write_pallas
 
     num_blocks = 16384
     rng = np.random.default_rng(0)
@@ -111,7 +111,7 @@ def sweep_write(bw, num_tokens=16384, kv_heads=8, dim=128, block_size=16, dtype=
             if knobs is None:
                 kf, vf = write_module._write_xla(kf, vf, rows, rows, slots)
             else:
-                kf, vf = write_module._write_pallas(kf, vf, rows, rows, slots, interpret=False,
+                kf, vf = write_pallas(kf, vf, rows, rows, slots, interpret=False,
                                                     **knobs)
             return kf.reshape(shape), vf.reshape(shape)
         try:

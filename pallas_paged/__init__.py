@@ -1,6 +1,8 @@
 """pallas_paged: paged KV-cache write and paged decode attention in JAX, with a Pallas GPU kernel.
 
-The semantics are those of `torch_ref` (SPEC.md).
+The semantics are those of `torch_ref` (SPEC.md). One folder per operation (``cache_write/``,
+``decode_attention/``), each split into ``api.py`` (the public function), one file per backend
+(``pallas_triton.py``, ``xla.py``) and, for kernels with knobs, ``configs.py``.
 
 - `write_kv`: masked scatter of new tokens' K/V into the paged cache (slot -1 writes nothing).
 - `decode`: paged decode attention; ``impl="pallas"`` (the kernel, Triton-lowered on GPU,
@@ -11,11 +13,12 @@ The semantics are those of `torch_ref` (SPEC.md).
   sequences (batch-parallel) across devices, with no communication.
 """
 
-from pallas_paged.config import DecodeConfig, DecodeShape, get_heuristic_config
-from pallas_paged.decode import decode
+from pallas_paged._validation import validate_decode_inputs, validate_write_inputs
+from pallas_paged.cache_write.api import write_kv
+from pallas_paged.cache_write.fp8 import quantize_fp8
+from pallas_paged.decode_attention.api import decode
+from pallas_paged.decode_attention.configs import DecodeConfig, DecodeShape, get_heuristic_config
 from pallas_paged.sharding import decode_shardings, shard_decode, shard_write_kv, write_shardings
-from pallas_paged.validate import validate_decode_inputs, validate_write_inputs
-from pallas_paged.write import quantize_fp8, write_kv
 
 __all__ = [
     "write_kv",

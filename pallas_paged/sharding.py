@@ -48,9 +48,9 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_paged import validate
-from pallas_paged.decode import decode
-from pallas_paged.write import write_kv
+from pallas_paged import _validation
+from pallas_paged.cache_write.api import write_kv
+from pallas_paged.decode_attention.api import decode
 
 __all__ = [
     "shard_decode",
@@ -230,7 +230,7 @@ def shard_decode(mesh, *, kv_axis: str | None = "tp", batch_axis: str | None = N
                        alibi_slopes=default_arrays.get("alibi_slopes"),
                        sinks=default_arrays.get("sinks")):
         options = {k: static[k] for k in ("scale", "logits_soft_cap", "sliding_window") if k in static}
-        validate.static_validate_decode(
+        _validation.static_validate_decode(
             q, k_cache, v_cache, block_tables, context_lens, k_scale=static.get("k_scale"),
             v_scale=static.get("v_scale"), alibi_slopes=alibi_slopes, sinks=sinks, **options)
         shapes = f"{q.shape=}, {k_cache.shape=}, {block_tables.shape=}"
@@ -296,7 +296,7 @@ def shard_write_kv(mesh, *, kv_axis: str | None = "tp", batch_axis: str | None =
         return write_kv(k_cache, v_cache, k, v, slot_mapping, **static)
 
     def sharded_write(k_cache, v_cache, k, v, slot_mapping):
-        validate.static_validate_write(k_cache, v_cache, k, v, slot_mapping, static.get("k_scale"),
+        _validation.static_validate_write(k_cache, v_cache, k, v, slot_mapping, static.get("k_scale"),
                                        static.get("v_scale"))
         shapes = f"{k_cache.shape=}, {k.shape=}, {slot_mapping.shape=}"
         _check_divides("num_kv_heads", k_cache.shape[2], kv_axis, sizes, shapes)

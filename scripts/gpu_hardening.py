@@ -476,7 +476,7 @@ def kernel_refuses(shape, dtype) -> bool:
     """Whether pallas_paged refuses this cache for its kernels (1-byte caches of 2**31..2**32
     elements: Triton keeps 32-bit offsets below 2**32 bytes)."""
     try:
-        from pallas_paged.platform import kernel_addresses_overflow
+        from pallas_paged._platform import kernel_addresses_overflow
     except ImportError:  # a version without the check: expect the kernels to run
         return False
     return kernel_addresses_overflow(shape, dtype)

@@ -1,4 +1,4 @@
-"""`pallas_paged.shapes` (the named shapes and their inputs) and `pallas_paged.bench` end to end.
+"""`benchmarks.shapes` (the named shapes and their inputs) and `benchmarks.bench` end to end.
 
 The benchmark runs in ``--smoke`` mode on one tiny shape (Pallas interpret mode on a CPU): the
 numbers mean nothing there, but every impl, the correctness check, the donated writes, the JSON and
@@ -17,9 +17,9 @@ import jax
 import numpy as np
 import pytest
 
-from pallas_paged import bench
-from pallas_paged.config import DecodeConfig
-from pallas_paged.shapes import (ALL_SHAPES, BENCH_SHAPES, EXTENSION_SHAPES, SMALL_SHAPES,
+from benchmarks import bench
+from pallas_paged.decode_attention.configs import DecodeConfig
+from benchmarks.shapes import (ALL_SHAPES, BENCH_SHAPES, EXTENSION_SHAPES, SMALL_SHAPES,
                                  DecodeBenchShape, make_block_tables, make_decode_inputs,
                                  shape_by_name)
 
@@ -284,6 +284,6 @@ def test_unknown_shape_is_an_error():
 def test_cli_lists_shapes():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-m", "pallas_paged.bench", "--list"], check=True,
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--list"], check=True,
                          capture_output=True, text=True, timeout=120, cwd=root, env=env).stdout
     assert all(s.name in out for s in ALL_SHAPES + SMALL_SHAPES)

@@ -305,7 +305,7 @@ def test_xla_impl_has_no_kernel():
 
 
 def test_interpret_default_follows_the_backend(rng, on_gpu):
-    from pallas_paged.platform import resolve_interpret
+    from pallas_paged._platform import resolve_interpret
     assert resolve_interpret(None) is (not on_gpu)
     assert resolve_interpret(True) is True and resolve_interpret(False) is False
 

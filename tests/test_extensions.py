@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pallas_paged as pp
-from pallas_paged.decode import tile_range
+from pallas_paged.decode_attention.pallas_triton import tile_range
 from paged_inputs import make_paged
 from test_decode import IMPLS, assert_matches_torch, run_jax
 

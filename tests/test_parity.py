@@ -25,6 +25,8 @@ import pytest
 import torch
 
 import pallas_paged
+from pallas_paged.cache_write import api as write_api
+from pallas_paged.decode_attention import api as decode_api
 import torch_ref
 from parity import __main__ as cli
 from parity import cases, compare, convert, report, tolerance
@@ -337,7 +339,7 @@ def fresh_jit():
 
 def test_gqa_repeat_instead_of_repeat_interleave_is_caught(monkeypatch, fresh_jit, capsys,
                                                            tmp_path):
-    original = pallas_paged.reference.decode_xla
+    original = decode_api.decode_xla
 
     def tiled(q, k_cache, v_cache, *args, **kwargs):
         # The classic bug: expand the kv heads with `repeat` (tile), so head h reads kv head
@@ -346,7 +348,7 @@ def test_gqa_repeat_instead_of_repeat_interleave_is_caught(monkeypatch, fresh_ji
         k_cache, v_cache = (jnp.tile(c, (1, 1, group, 1)) for c in (k_cache, v_cache))
         return original(q, k_cache, v_cache, *args, **kwargs)
 
-    monkeypatch.setattr(pallas_paged.reference, "decode_xla", tiled)
+    monkeypatch.setattr(decode_api, "decode_xla", tiled)
     monkeypatch.setitem(cases.SUITES, "default", (SMALL,))
     path = tmp_path / "report.json"
     code = cli.main(["--device", "cpu", "--impl", "xla", "-k", "small", "--json", str(path), "-q"])
@@ -377,7 +379,7 @@ def test_slot_minus_one_wrapping_to_the_last_slot_is_caught(monkeypatch, fresh_j
         # The classic bug: no -1 filter, so a padding token lands in the last slot.
         return k_flat.at[slots].set(k_rows), v_flat.at[slots].set(v_rows)
 
-    monkeypatch.setattr(pallas_paged.write, "_write_xla", unfiltered)
+    monkeypatch.setattr(write_api, "write_xla", unfiltered)
     case = _write_bug_case()
     r = compare.run_case(case, device="cpu", impls=("xla",))
     assert {c.label for c in r.failures} == {"k_cache[xla]", "v_cache[xla]", "out[xla]"}

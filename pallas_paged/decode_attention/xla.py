@@ -1,4 +1,4 @@
-"""The plain-XLA decode path: readable jnp, fp32 softmax; `decode(..., impl="xla")`.
+"""Paged decode attention in plain XLA (readable jnp, fp32 softmax): ``decode(..., impl="xla")``.
 
 It gathers every table entry of every sequence (entries past ``ceil(n / block_size)`` are replaced
 by block 0 first, so garbage ids are never used as addresses), masks positions outside

@@ -1,4 +1,12 @@
-"""Knobs of the Pallas decode kernel: a frozen, hashable config and the heuristic that picks one."""
+"""Knobs of the Pallas decode kernel: a frozen, hashable config, the heuristic that picks one, and
+the table of configs tuned on real devices.
+
+A shape class rounds the static facts of a call up to powers of two, so that one measured entry
+covers its neighbours: ``(cache dtype, head_dim, group, block_size, batch, capacity)``. The table is
+keyed by the device kind JAX reports (``jax.devices()[0].device_kind``, e.g. ``"NVIDIA H200"``);
+entries are measured with ``python -m benchmarks.bench --tune``. On any other device, or for a
+shape class not in the table, `lookup` returns the heuristic config.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +15,7 @@ import math
 
 import jax.numpy as jnp
 
-from pallas_paged.platform import next_power_of_2
+from pallas_paged._platform import next_power_of_2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,3 +87,30 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
         num_warps=4 if padded_dim <= 128 else 8,
         num_stages=2,
     )
+
+
+# device kind -> shape class -> config. Measured with `python -m benchmarks.bench --tune` on an
+# NVIDIA H200 (132 SMs), 2026-11-30 (docs/BENCHMARKS.md); only classes where the best candidate
+# beat the heuristic are listed.
+TUNED: dict[str, dict[tuple, DecodeConfig]] = {"NVIDIA H200": {
+    # fp8_b32_ctx4096: 113.1 us vs 115.8 us heuristic (1.02x)
+    ("float8_e4m3fn", 128, 4, 16, 32, 4096): DecodeConfig(block_k=128, num_splits=1, num_warps=4, num_stages=2),
+    # d256_b32_ctx4096: 271.3 us vs 378.7 us heuristic (1.40x)
+    ("bfloat16", 256, 4, 16, 32, 4096): DecodeConfig(block_k=64, num_splits=1, num_warps=8, num_stages=2),
+    # ragged_b64_ctx8192 (lengths uniform in 1..8192): 298.5 us vs 369.4 us heuristic (1.24x)
+    ("bfloat16", 128, 4, 16, 64, 8192): DecodeConfig(block_k=128, num_splits=2, num_warps=4, num_stages=2),
+    # mha_b32_ctx4096: 518.2 us vs 534.9 us heuristic (1.03x)
+    ("bfloat16", 128, 1, 16, 32, 4096): DecodeConfig(block_k=128, num_splits=1, num_warps=4, num_stages=2),
+}}
+
+
+def shape_class(shape: DecodeShape) -> tuple:
+    """The key a shape is looked up under: its static facts rounded up to powers of two."""
+    return (shape.cache_dtype, next_power_of_2(shape.head_dim), next_power_of_2(shape.group),
+            shape.block_size, next_power_of_2(shape.batch), next_power_of_2(shape.capacity))
+
+
+def lookup(shape: DecodeShape, device_kind: str, sm_count: int) -> DecodeConfig:
+    """The tuned config of ``shape``'s class on a device of kind ``device_kind``, else the heuristic one."""
+    config = TUNED.get(device_kind, {}).get(shape_class(shape))
+    return config if config is not None else get_heuristic_config(shape, sm_count)

@@ -1,6 +1,6 @@
 """Multi-GPU scaling of paged decode: `shard_decode` on 2 GPUs against `decode` on one.
 
-    python -m pallas_paged.bench_sharded [--json PATH] [--impl pallas|xla] [--smoke]
+    python -m benchmarks.bench_sharded [--json PATH] [--impl pallas|xla] [--smoke]
 
 The problem (defaults): batch 64, context 4096, 32 query heads on 8 kv heads, head_dim 128, bf16,
 block_size 16, every sequence at full length, blocks shuffled. Variants:
@@ -175,9 +175,9 @@ def kernel_config(v: Variant, impl: str):
     """The config each device's kernel picks for its local shape (None for the XLA path)."""
     if impl != "pallas":
         return None
-    from pallas_paged import tuned
-    from pallas_paged.config import DecodeShape
-    from pallas_paged.platform import sm_count
+    from pallas_paged.decode_attention import configs
+    from pallas_paged.decode_attention.configs import DecodeShape
+    from pallas_paged._platform import device_kind, sm_count
 
     p = v.problem
     local_batch = p.batch // (v.devices if v.batch_axis else 1)
@@ -186,7 +186,7 @@ def kernel_config(v: Variant, impl: str):
                         group=p.num_heads // p.num_kv_heads, head_dim=p.head_dim,
                         block_size=p.block_size, capacity=p.blocks_per_seq * p.block_size,
                         cache_dtype=p.dtype)
-    return tuned.lookup(shape, sm_count())
+    return configs.lookup(shape, device_kind(), sm_count())
 
 
 # ----------------------------------------------------------------------------------------- timing
@@ -209,7 +209,7 @@ def time_calls(fn, args, timing: Timing) -> dict:
 
 def copy_bandwidth(devices, nbytes: int, timing: Timing) -> float:
     """Bytes per second (read + write) of a bitwise-not over ``nbytes`` of uint32 on each of
-    ``devices`` at once: a pure streaming copy that XLA cannot elide (as in `pallas_paged.bench`)."""
+    ``devices`` at once: a pure streaming copy that XLA cannot elide (as in `benchmarks.bench`)."""
     count = nbytes // 4
     mesh = Mesh(np.array(devices), ("d",))
     sharding = NamedSharding(mesh, P("d"))

@@ -1,7 +1,7 @@
 """Benchmark: paged decode and the cache write, as a fraction of the copy bandwidth of the same run.
 
-Run ``python -m pallas_paged.bench [--shapes NAMES|all] [--impls ...] [--tune] [--json PATH]
-[--plot PATH] [--smoke]``. For each shape of `pallas_paged.shapes` it measures, in one process:
+Run ``python -m benchmarks.bench [--shapes NAMES|all] [--impls ...] [--tune] [--json PATH]
+[--plot PATH] [--smoke]``. For each shape of `benchmarks.shapes` it measures, in one process:
 
 - ``pallas``: ``decode(..., impl="pallas")`` with the config ``decode`` would pick itself (the tuned
   table's entry, else the heuristic); with ``--tune``, a bounded sweep of `DecodeConfig` candidates.
@@ -69,14 +69,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_paged import tuned
-from pallas_paged.config import DecodeConfig, get_heuristic_config
-from pallas_paged.decode import decode, decode_shape
-from pallas_paged.platform import has_gpu, next_power_of_2, sm_count
-from pallas_paged.shapes import (ALL_SHAPES, SHAPE_GROUPS, SMALL_SHAPES, DecodeBenchShape,
+from pallas_paged.decode_attention import configs
+from pallas_paged.decode_attention.configs import DecodeConfig, get_heuristic_config
+from pallas_paged.decode_attention.api import decode, decode_shape
+from pallas_paged._platform import device_kind, has_gpu, next_power_of_2, sm_count
+from benchmarks.shapes import (ALL_SHAPES, SHAPE_GROUPS, SMALL_SHAPES, DecodeBenchShape,
                                  make_decode_inputs, random_normal, rotation_copies,
                                  shape_by_name)
-from pallas_paged.write import quantize_fp8, write_kv
+from pallas_paged import quantize_fp8, write_kv
 
 IMPLS = ("pallas", "xla", "jax_paged_attention", "write")
 DECODE_IMPLS = ("pallas", "xla", "jax_paged_attention")
@@ -549,13 +549,14 @@ class ShapeBench:
         last = self.copies - 1
         q0, k0, _, t0, _ = inputs.args(0)
         facts = decode_shape(q0, k0, t0)
-        default_cfg = tuned.lookup(facts, self.sms)
+        kind = device_kind()
+        default_cfg = configs.lookup(facts, kind, self.sms)
         heuristic = get_heuristic_config(facts, self.sms)
-        self.record.update(shape_class=list(tuned.shape_class(facts)),
+        self.record.update(shape_class=list(configs.shape_class(facts)),
                            default_config=dataclasses.asdict(default_cfg),
                            heuristic_config=dataclasses.asdict(heuristic),
-                           default_from_table=self.sms == tuned.TUNED_ON
-                           and tuned.shape_class(facts) in tuned.TUNED)
+                           default_from_table=configs.shape_class(facts)
+                           in configs.TUNED.get(kind, {}))
         variants: list[Variant] = []
         skipped: list[dict] = []
         if "pallas" in self.impls or self.tune:
@@ -1007,11 +1008,11 @@ def format_tables(doc: dict) -> str:
 
 
 def tuned_snippet(doc: dict) -> str:
-    """``TUNED`` entries (paste into pallas_paged/tuned.py) for shapes whose best config differs
+    """``TUNED`` entries (paste into pallas_paged/decode_attention/configs.py) for shapes whose best config differs
     from the default; sliding-window shapes and key collisions are left as comments."""
     meta = doc["meta"]
     device = meta["device"]
-    lines = [f"# Measured with `python -m pallas_paged.bench --tune` on {device['device_kind']}"
+    lines = [f"# Measured with `python -m benchmarks.bench --tune` on {device['device_kind']}"
              f" ({device['sm_count']} SMs), {meta['date'][:10]}.",
              "TUNED: dict[tuple, DecodeConfig] = {"]
     seen: dict[tuple, tuple] = {}
@@ -1134,7 +1135,7 @@ def resolve_shapes(spec: str, smoke: bool) -> list[DecodeBenchShape]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pallas_paged.bench",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="all",
@@ -1146,7 +1147,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         " pallas with --tune")
     p.add_argument("--tune", action="store_true",
                    help="sweep DecodeConfig candidates per shape (bounded by --max-configs) and"
-                        " print TUNED entries for pallas_paged/tuned.py")
+                        " print TUNED entries for pallas_paged/decode_attention/configs.py")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, minimal repetitions, interpret mode without a GPU: checks"
                         " that everything runs end to end (timings meaningless)")

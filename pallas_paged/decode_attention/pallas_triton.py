@@ -1,6 +1,6 @@
-"""Paged decode attention: the Pallas kernel, its unbatched-grid wrapper, and the public `decode`.
+"""Paged decode attention, the Pallas Triton kernel: ``decode(..., impl="pallas")``.
 
-Read top to bottom:
+Read top to bottom (the public function is `pallas_paged.decode_attention.api.decode`):
 
 1. `_paged_decode_kernel` works on refs only. One program owns one (sequence, kv head, KV split):
    it computes all ``group = num_heads // num_kv_heads`` query heads of its kv head at once (the
@@ -9,8 +9,8 @@ Read top to bottom:
    start), gathering each token's row through the block table, with an online softmax in fp32.
 2. `_decode_pallas` builds the grid ``(batch, num_kv_heads, num_splits)``, calls ``pallas_call``
    and, when the KV axis is split (flash-decoding), merges the partial ``(o, m, l)`` results.
-3. `decode` validates, resolves the scale and the config, and dispatches to the Pallas kernel or
-   to the plain-XLA path (`reference.decode_xla`).
+3. `decode` (in ``api.py``) validates, resolves the scale and the config, and dispatches to this
+   kernel or to the plain-XLA path (``xla.py``).
 
 Safety, by construction rather than by validation (values cannot raise under jit):
 
@@ -33,12 +33,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_paged import reference, tuned, validate
-from pallas_paged.config import DecodeConfig, DecodeShape
-from pallas_paged.platform import (kernel_addresses_overflow, next_power_of_2, resolve_interpret,
-                                   sm_count)
+from pallas_paged._platform import next_power_of_2
+from pallas_paged.decode_attention.configs import DecodeConfig
 
-DECODE_IMPLS = ("pallas", "xla")
 MIN_DOT_ROWS = 16  # the smallest M of a Triton dot
 FP16_SAFE_MAX = 2.0**15  # a bf16 query is scaled under this before its fp16 dot
 HIGHEST = jax.lax.Precision.HIGHEST  # fp32 operands -> IEEE fp32 dot (Triton's default is TF32)
@@ -224,9 +221,16 @@ def _merge_splits(o, m, l, n, sinks):
     return out, lse
 
 
-def _decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, config: DecodeConfig,
-                   interpret: bool, logits_soft_cap, alibi_slopes, sliding_window, sinks, k_scale,
-                   v_scale):
+def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, config: DecodeConfig,
+                  interpret: bool, logits_soft_cap, alibi_slopes, sliding_window, sinks, k_scale,
+                  v_scale):
+    """The kernel over the grid ``(batch, num_kv_heads, num_splits)``, then the split merge.
+
+    Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float).
+
+    Returns:
+      ``(out [batch, num_heads, head_dim] in q.dtype, lse f32[batch, num_heads])``.
+    """
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, kvh, _ = k_cache.shape
     group = num_heads // kvh
@@ -269,101 +273,3 @@ def _decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, co
     else:
         out, lse = outs
     return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
-
-
-def decode_shape(q, k_cache, block_tables) -> DecodeShape:
-    """The static facts of a call that its kernel config depends on."""
-    batch, num_heads, head_dim = q.shape
-    _, block_size, kvh, _ = k_cache.shape
-    return DecodeShape(batch=batch, num_kv_heads=kvh, group=num_heads // kvh, head_dim=head_dim,
-                       block_size=block_size, capacity=block_tables.shape[1] * block_size,
-                       cache_dtype=jnp.dtype(k_cache.dtype).name)
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "logits_soft_cap", "sliding_window", "k_scale", "v_scale",
-                     "return_lse", "impl", "interpret", "config"))
-def decode(
-    q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    block_tables: jax.Array,
-    context_lens: jax.Array,
-    scale: float | None = None,
-    *,
-    logits_soft_cap: float | None = None,
-    alibi_slopes: jax.Array | None = None,
-    sliding_window: int | None = None,
-    sinks: jax.Array | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    return_lse: bool = False,
-    impl: str = "pallas",
-    interpret: bool | None = None,
-    config: DecodeConfig | None = None,
-):
-    """Paged decode attention: each sequence's single query over its cached K/V.
-
-    The semantics are `torch_ref.paged_decode_attention`'s (SPEC.md): sequence ``b`` has
-    ``n = context_lens[b]`` tokens in the first ``ceil(n / block_size)`` blocks of
-    ``block_tables[b]`` (the rest of the row is never read); query head ``h`` uses kv head
-    ``h // (num_heads // num_kv_heads)``; scores, softmax and the weighted sum are fp32 and the
-    output is cast once to ``q.dtype``; ``n == 0`` gives zeros. Optional, in this order:
-    ``s * scale`` -> soft-cap -> ALiBi -> sliding window -> softmax with sink.
-
-    Args:
-      q: ``[batch, num_heads, head_dim]``, fp32 / bf16 / fp16.
-      k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, fp32 / bf16 / fp16 /
-        float8_e4m3fn (then with ``k_scale`` / ``v_scale``).
-      block_tables: ``i32[batch, max_blocks]``.
-      context_lens: ``i32[batch]``.
-      scale: softmax scale, static; None means ``1 / sqrt(head_dim)``.
-      logits_soft_cap: static ``cap > 0``: ``s = cap * tanh(s / cap)``.
-      alibi_slopes: ``f32[num_heads]``: ``s += slope[h] * (p - (n - 1))``.
-      sliding_window: static ``W >= 1``: only the newest ``min(W, n)`` tokens; the kernel does not
-        read blocks wholly outside the window.
-      sinks: ``f32[num_heads]``, one extra logit per head in the softmax denominator.
-      k_scale, v_scale: static per-tensor dequantization scales of an fp8 cache.
-      return_lse: also return ``lse f32[batch, num_heads]`` (``-inf`` for ``n == 0``).
-      impl: ``"pallas"`` (the kernel) or ``"xla"`` (plain jnp, the readable reference). The kernel
-        cannot address fp8 caches of 2**31 to 2**32 elements (ValueError).
-      interpret: Pallas interpret mode; None means exactly when there is no GPU backend.
-      config: kernel knobs (`DecodeConfig`); None takes the tuned table's entry for this shape
-        class, or the heuristic.
-
-    Returns:
-      ``out [batch, num_heads, head_dim]`` in ``q.dtype``, or ``(out, lse)`` with ``return_lse``.
-
-    Raises:
-      ValueError: at trace time, for wrong ranks, shapes or dtypes, ``num_heads % num_kv_heads``,
-        bad options or an unknown ``impl``. Values are not checked (they cannot raise under jit):
-        see `validate_decode_inputs` and the module docstring of `pallas_paged.validate`.
-    """
-    options = dict(scale=scale, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
-                   sliding_window=sliding_window, sinks=sinks)
-    validate.static_validate_decode(q, k_cache, v_cache, block_tables, context_lens,
-                                    k_scale=k_scale, v_scale=v_scale, **options)
-    if impl not in DECODE_IMPLS:
-        raise ValueError(f"impl={impl!r} must be one of {DECODE_IMPLS}")
-    if impl == "pallas" and kernel_addresses_overflow(k_cache.shape, k_cache.dtype):
-        raise ValueError(
-            f"impl='pallas' cannot address a {jnp.dtype(k_cache.dtype).name} cache of 2**31 to"
-            f" 2**32 elements ({k_cache.shape=}; Triton offsets stay 32-bit below 2**32 bytes):"
-            " use impl='xla', or a cache of fewer than 2**31 or more than 2**32 elements")
-    if config is not None and not isinstance(config, DecodeConfig):
-        raise ValueError(f"config must be a DecodeConfig or None, got {type(config).__name__}")
-    batch, num_heads, head_dim = q.shape
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    options.update(scale=scale, k_scale=k_scale, v_scale=v_scale)
-    if batch == 0:
-        out = jnp.zeros(q.shape, q.dtype)
-        lse = jnp.zeros((0, num_heads), jnp.float32)
-    elif impl == "xla":
-        out, lse = reference.decode_xla(q, k_cache, v_cache, block_tables, context_lens, **options)
-    else:
-        if config is None:
-            config = tuned.lookup(decode_shape(q, k_cache, block_tables), sm_count())
-        out, lse = _decode_pallas(q, k_cache, v_cache, block_tables, context_lens, config=config,
-                                  interpret=resolve_interpret(interpret), **options)
-    return (out, lse) if return_lse else out

@@ -1,0 +1,92 @@
+"""Writing new tokens' K/V into the paged cache: a masked scatter, the public function.
+
+Two implementations of one function, bit-identical to `torch_ref.write_kv`: ``impl="xla"``
+(``xla.py``, a scatter) and ``impl="pallas"`` (``pallas_triton.py``, a row-copy kernel). Under
+``jax.jit(write_kv, donate_argnums=(0, 1))`` both update the donated caches in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_paged import _validation
+from pallas_paged._platform import (kernel_addresses_overflow, resolve_interpret,
+                                    without_triton_deprecation)
+from pallas_paged.cache_write.fp8 import quantize_fp8
+from pallas_paged.cache_write.pallas_triton import write_pallas
+from pallas_paged.cache_write.xla import write_xla
+
+WRITE_IMPLS = ("xla", "pallas")
+
+
+@without_triton_deprecation
+@functools.partial(jax.jit, static_argnames=("k_scale", "v_scale", "impl", "interpret"))
+def write_kv(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    impl: str | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Store each new token's K and V at its physical slot; return the updated caches.
+
+    Token ``i`` with ``s = slot_mapping[i] >= 0`` lands at ``cache[s // block_size, s % block_size]``.
+    A slot of ``-1`` marks padding and writes nothing, anywhere; every other entry keeps its exact
+    bits. fp8 caches store ``clamp(x / scale, -448, 448)`` rounded to nearest even.
+
+    Functional, as JAX is: the caches are returned. Under
+    ``jax.jit(write_kv, donate_argnums=(0, 1))`` the donated buffers are updated in place.
+
+    Args:
+      k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+      k, v: ``[num_tokens, num_kv_heads, head_dim]``, the cache dtype (any float dtype for fp8).
+      slot_mapping: ``i32[num_tokens]`` (int64 accepted), the slot of each token or ``-1``.
+      k_scale, v_scale: python floats, required for float8_e4m3fn caches and refused otherwise.
+      impl: ``"xla"`` (a scatter) or ``"pallas"`` (a row-copy kernel); None picks ``"pallas"`` on a
+        GPU and ``"xla"`` elsewhere (and for fp8 caches of 2**31 to 2**32 elements, which the
+        kernel cannot address).
+      interpret: run the Pallas kernel in interpret mode; None means exactly when JAX has no GPU.
+
+    Returns:
+      ``(k_cache, v_cache)`` with the new tokens written.
+
+    Raises:
+      ValueError: wrong ranks, shapes or dtypes, bad fp8 scales, or an unknown ``impl`` (trace time).
+        Slot values are not checked here (they cannot raise under jit): out-of-range slots are
+        dropped, and of two tokens sharing a slot one wins, unspecified which. Call
+        `validate_write_inputs` first to reject them eagerly.
+    """
+    _validation.static_validate_write(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
+    too_big = kernel_addresses_overflow(k_cache.shape, k_cache.dtype)
+    if impl is None:
+        impl = "xla" if resolve_interpret(None) or too_big else "pallas"
+    if impl not in WRITE_IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {WRITE_IMPLS}")
+    if impl == "pallas" and too_big:
+        raise ValueError(
+            f"impl='pallas' cannot address a {jnp.dtype(k_cache.dtype).name} cache of 2**31 to"
+            f" 2**32 elements ({k_cache.shape=}): use impl='xla' (the default picks it)")
+    num_blocks, block_size, kvh, d = k_cache.shape
+    if k_cache.dtype == jnp.float8_e4m3fn:
+        k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
+    slots = slot_mapping.astype(jnp.int32)
+    num_tokens = slots.shape[0]
+    flat_shape = (num_blocks * block_size, kvh * d)
+    k_flat, v_flat = k_cache.reshape(flat_shape), v_cache.reshape(flat_shape)
+    k_rows, v_rows = k.reshape(num_tokens, kvh * d), v.reshape(num_tokens, kvh * d)
+    if num_tokens == 0:
+        return k_cache, v_cache
+    if impl == "xla":
+        k_flat, v_flat = write_xla(k_flat, v_flat, k_rows, v_rows, slots)
+    else:
+        k_flat, v_flat = write_pallas(k_flat, v_flat, k_rows, v_rows, slots,
+                                       interpret=resolve_interpret(interpret))
+    return k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape)
