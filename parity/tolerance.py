@@ -5,7 +5,7 @@ The rule (FlashAttention's ``hopper/test_flash_attn.py``)
 For every decode output, compute the attention twice from the *same* inputs (q, and the caches as
 they are after the write, already rounded to the test dtype):
 
-- **truth**: in float64 (`naive_attention` with ``dtype=torch.float64``): the exact answer of
+- **truth**: in float64 (`parity.oracle.oracle_paged_attention`): the exact answer of
   SPEC.md's formula for these inputs, up to float64 rounding;
 - **baseline**: naively in the test dtype (`naive_attention` with the test dtype): scores, scale,
   soft-cap, ALiBi, softmax and the weighted sum each rounded to that dtype by plain torch ops, the
@@ -55,6 +55,7 @@ import torch
 
 from parity import convert
 from parity.cases import Case
+from parity.oracle import oracle_paged_attention
 
 __all__ = [
     "ATOL",
@@ -255,7 +256,11 @@ def reference_outputs(case: Case, inputs: dict[str, np.ndarray], k_cache: np.nda
       returns it) of float64 arrays, float64 arrays and `Tolerance`.
     """
     out_dtype = case.q_dtype
-    truth_out, truth_lse = naive_attention(case, inputs, k_cache, v_cache, "float64", device)
+    truth_out, truth_lse = oracle_paged_attention(
+        inputs["q"], k_cache, v_cache, inputs["block_tables"], inputs["context_lens"], case.scale,
+        logits_soft_cap=case.logits_soft_cap, alibi_slopes=inputs.get("alibi_slopes"),
+        sliding_window=case.sliding_window, sinks=inputs.get("sinks"), k_scale=case.k_scale,
+        v_scale=case.v_scale)
     base_out, base_lse = naive_attention(case, inputs, k_cache, v_cache, out_dtype, device)
     truth = {"out": truth_out}
     baseline = {"out": base_out}
