@@ -36,14 +36,16 @@ Method:
 - Bandwidth: decode bytes = the K/V rows that must be read (``sum_b min(n_b, W) * KVH * D *
   itemsize * 2``) + q + output; write bytes = bytes written (``tokens * KVH * D * itemsize * 2``)
   and, as a second figure, bytes read + written (k, v rows and slots read, cache rows written).
-- Correctness: every decode variant's output (of the last copy) is compared with ``impl="xla"``'s,
-  or, when that is not run, with a float32 XLA computation on a subset of the batch; NaN or a
-  relative L2 error above ``REL_TOL`` marks it WRONG and it can never be "best". Writes are checked
-  bit for bit at the written slots.
+- Correctness: every decode variant's output (of the last copy; ``impl="xla"`` included) is
+  compared on the first ``REF_ROWS`` sequences with the float64 oracle (`parity.oracle`, run on
+  the host over just the blocks those sequences read); NaN or a relative L2 error above
+  ``REL_TOL`` marks it WRONG and it can never be "best". Writes are checked bit for bit at the
+  written slots. Any WRONG row makes the exit status 1.
 
 Every variant is isolated: a compile or run error is recorded in the JSON and the table, and the
 run goes on. The JSON is rewritten after every shape, so an interrupted run keeps what it measured
-(``--resume`` then skips those shapes). ``--smoke`` runs the tiny `SMALL_SHAPES` on any backend
+(``--resume`` then skips those shapes); an interrupted run exits 130, a usage error 2 (argparse).
+``--smoke`` runs the tiny `SMALL_SHAPES` on any backend
 (Pallas interpret mode on a CPU) with minimal repetitions: it checks the plumbing, not the speed.
 """
 
@@ -77,6 +79,7 @@ from benchmarks.shapes import (ALL_SHAPES, SHAPE_GROUPS, SMALL_SHAPES, DecodeBen
                                  make_decode_inputs, random_normal, rotation_copies,
                                  shape_by_name)
 from pallas_paged import quantize_fp8, write_kv
+from parity.oracle import oracle_paged_attention
 
 IMPLS = ("pallas", "xla", "jax_paged_attention", "write")
 DECODE_IMPLS = ("pallas", "xla", "jax_paged_attention")
@@ -87,7 +90,7 @@ XLA_LIMIT_BYTES = 30e9          # skip impl="xla" when its gathered fp32 K/V wou
 PREFILL_TOKENS = 16384
 COPY_BYTES = 4 * 2**30
 REL_TOL = 2e-2                  # relative L2 error above which an output is WRONG (bf16: ~4e-3)
-REF_ROWS = 8                    # batch rows of the float32 subset reference
+REF_ROWS = 8                    # batch rows compared with the float64 oracle
 SMEM_BYTES = 220 * 1024         # prune tune candidates whose K/V tiles alone exceed this
 JAX_PA_BLOCK_H = 16
 
@@ -320,6 +323,28 @@ def compare(out, ref) -> dict:
     return {"max_abs_err": max_abs, "rel_err": rel, "nan": not finite, "correct": ok}
 
 
+def oracle_rows(inputs, copy: int, rows: int) -> np.ndarray:
+    """The float64 oracle's output for sequences ``0..rows-1`` of input copy ``copy`` (float32).
+
+    Only the physical blocks those sequences read leave the device: they are gathered into a
+    small cache and the tables renumbered into it, so a multi-GB cache costs a few MB here.
+    """
+    shape = inputs.shape
+    lens = inputs.context_lens_np[:rows].astype(np.int64)
+    tables = inputs.block_tables_np[copy][:rows].astype(np.int64)
+    pages = -(-lens // shape.block_size)
+    used = np.arange(tables.shape[1])[None, :] < pages[:, None]
+    ids = np.unique(tables[used]) if used.any() else np.zeros(1, np.int64)
+    local = np.where(used, np.searchsorted(ids, tables), 0)
+    take = jnp.asarray(ids.astype(np.int32))
+    k_blocks = np.asarray(jnp.take(inputs.k_cache, take, axis=0))
+    v_blocks = np.asarray(jnp.take(inputs.v_cache, take, axis=0))
+    out, _ = oracle_paged_attention(np.asarray(inputs.q[copy][:rows]), k_blocks, v_blocks, local,
+                                    lens, k_scale=inputs.k_scale, v_scale=inputs.v_scale,
+                                    sliding_window=shape.sliding_window)
+    return out.astype(np.float32)
+
+
 # ----------------------------------------------------------------------------------------------
 # Decode variants
 
@@ -442,6 +467,7 @@ class ShapeBench:
                              "copy_tbps": copy_tbps}
         self.ref = None
         self.ref_kind = None
+        self.ref_rows = None
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
@@ -573,16 +599,6 @@ class ShapeBench:
                 xla_variant = self._decode_variant("xla", "-", call, self._decode_args(inputs))
                 xla_variant.pooled = False
                 variants.append(xla_variant)
-        # The float32 reference on a subset of the last copy's rows, unless xla's output serves.
-        rows = min(shape.batch, REF_ROWS)
-        ref_args = (inputs.q[last][:rows].astype(jnp.float32), inputs.k_cache, inputs.v_cache,
-                    inputs.block_tables[last][:rows], inputs.context_lens[:rows])
-        ref_fn = jax.jit(_decode_fn("xla", k_scale=inputs.k_scale, v_scale=inputs.v_scale,
-                                    window=shape.sliding_window))
-        ref_variant = Variant(impl="ref", label=f"f32 rows 0..{rows - 1}", fn=ref_fn,
-                              args=ref_args, pooled=False)
-        if xla_variant is None:
-            variants.append(ref_variant)
         jax_layout = None
         if "jax_paged_attention" in self.impls:
             if shape.sliding_window is not None:
@@ -616,28 +632,19 @@ class ShapeBench:
 
         compile_all(variants, s.compile_threads)
 
-        # Reference first: xla's output when it ran correctly, else the float32 subset.
-        if xla_variant is not None:
-            self._run_decode(xla_variant)
-        if self.ref is None:
-            if ref_variant.compiled is None and ref_variant.error is None:
-                compile_all([ref_variant], 1)
-            try:
-                if ref_variant.error:
-                    raise RuntimeError(ref_variant.error)
-                self.ref = np.asarray(ref_variant.compiled(*ref_args)).astype(np.float32)
-                self.ref_kind = f"float32 xla, rows 0..{rows - 1}"
-                self.ref_rows = rows
-            except Exception as e:  # noqa: BLE001
-                self.record["reference_error"] = _error(e)
+        rows = min(shape.batch, REF_ROWS)
+        try:
+            self.ref = oracle_rows(inputs, last, rows)
+            self.ref_kind, self.ref_rows = f"float64 oracle, rows 0..{rows - 1}", rows
+        except Exception as e:  # noqa: BLE001
+            self.record["reference_error"] = _error(e)
         for row in skipped:
             row.update(shape=shape.name, kind="decode")
             self.rows.append(row)
             self._print(row)
         for v in variants:
-            if v.impl in ("ref", "probe") or v is xla_variant:
-                continue
-            self._run_decode(v)
+            if v.impl != "probe":
+                self._run_decode(v)
         if probe is not None and probe.compiled is not None:
             try:
                 t = measure(lambda: probe.compiled(*probe.args), probe.ops_per_call, s)
@@ -688,15 +695,8 @@ class ShapeBench:
             try:
                 out = v.compiled(*v.args)
                 jax.block_until_ready(out)
-                if v.impl == "xla":
-                    self.ref = np.asarray(out).astype(np.float32)
-                    self.ref_kind, self.ref_rows = "impl=xla (full batch)", None
-                    if not np.isfinite(self.ref).all():
-                        row.update(nan=True, correct=False)
-                        self.ref = None
-                elif self.ref is not None:
-                    got = out if self.ref_rows is None else out[: self.ref_rows]
-                    row.update(compare(got, self.ref), reference=self.ref_kind)
+                if self.ref is not None:
+                    row.update(compare(out[: self.ref_rows], self.ref), reference=self.ref_kind)
                 else:
                     row.update(correct=None, reference="none (reference failed)")
                 del out
@@ -961,7 +961,7 @@ def format_tables(doc: dict) -> str:
         elif "rel_err" in r:
             check = f"ok rel={r['rel_err']:.0e} max={r['max_abs_err']:.0e}"
         else:
-            check = "ref"
+            check = "no reference"
         lines.append(f"{r['shape']:<{w}} {r['impl']:<19} {_short(r['label'], 24):<24}"
                      f" {r['median_us']:10.2f} {r['tbps']:6.3f} {100 * r['frac_copy_bw']:5.1f}%"
                      f" {_fmt(r.get('speedup_vs_jax'), '6.2f'):>6}  {check}")
@@ -996,8 +996,8 @@ def format_tables(doc: dict) -> str:
             name = " ".join(str(k) for k in key[:4])
             lines.append(f"{name:<22} {str(key[4]):<7} {tokens:>6} | {cells[0]} | {cells[1]} |"
                          f" {'; '.join(checks) or 'ok'}")
-    lines += ["", "check: relative L2 / max abs error vs impl=xla (or a float32 subset when xla is"
-              f" not run); WRONG above {REL_TOL:g}. vs_jax: best JAX paged_attention time / this"
+    lines += ["", f"check: relative L2 / max abs error vs the float64 oracle (first {REF_ROWS}"
+              f" sequences); WRONG above {REL_TOL:g}. vs_jax: best JAX paged_attention time / this"
               " time."]
     loop = [f"{r['name']} ({_fmt(r.get('loop_overhead_us'), '.2f')} us)" for r in doc["shapes"]
             if r.get("mode") == "loop"]
@@ -1134,7 +1134,35 @@ def resolve_shapes(spec: str, smoke: bool) -> list[DecodeBenchShape]:
     return list(dict.fromkeys(out))
 
 
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+    return parse
+
+
+def _float_at_least(low: float, *, strict: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"{value} must be {'>' if strict else '>='} {low}")
+        return value
+    return parse
+
+
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; a bad value exits 2 with argparse's message, as every option does.
+
+    Also resolves ``--shapes`` into ``args.shape_list`` and ``--impls`` into ``args.impl_list``.
+    """
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1151,21 +1179,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, minimal repetitions, interpret mode without a GPU: checks"
                         " that everything runs end to end (timings meaningless)")
-    p.add_argument("--repeats", type=int, default=None, help="timed windows per variant (7)")
-    p.add_argument("--window-ms", type=float, default=None, help="target window duration (10)")
+    p.add_argument("--repeats", type=_int_at_least(1), default=None,
+                   help="timed windows per variant (7)")
+    p.add_argument("--window-ms", type=_float_at_least(0.0), default=None,
+                   help="target window duration (10)")
     p.add_argument("--json", default=None, help="write all results here (rewritten per shape)")
     p.add_argument("--plot", default=None, help="bar chart (png) of fraction of copy bandwidth")
-    p.add_argument("--jax-configs", type=int, default=None,
+    p.add_argument("--jax-configs", type=_int_at_least(1), default=None,
                    help="JAX paged_attention configs tried per shape (6; 24 = all valid)")
-    p.add_argument("--max-configs", type=int, default=None,
+    p.add_argument("--max-configs", type=_int_at_least(0), default=None,
                    help="tune candidates per shape besides the default (24)")
-    p.add_argument("--compile-threads", type=int, default=None,
+    p.add_argument("--compile-threads", type=_int_at_least(1), default=None,
                    help="threads compiling one shape's Pallas variants (1: serial)")
-    p.add_argument("--copies", type=int, default=0,
+    p.add_argument("--copies", type=_int_at_least(0), default=0,
                    help="force this many input copies (0: automatic; 1: dispatch mode)")
-    p.add_argument("--copy-gib", type=float, default=None,
+    p.add_argument("--copy-gib", type=_float_at_least(0.0, strict=True), default=None,
                    help="size of the copy-bandwidth buffer in GiB (4)")
-    p.add_argument("--time-limit", type=float, default=0,
+    p.add_argument("--time-limit", type=_float_at_least(0.0), default=0,
                    help="seconds: start no new shape after this (0: none); the table is still"
                         " printed. SIGTERM also stops the run and prints what was measured")
     p.add_argument("--seed", type=int, default=0)
@@ -1175,24 +1205,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plan", action="store_true",
                    help="print what a run with these flags would measure and compile, and exit")
     args = p.parse_args(argv)
+    try:
+        args.shape_list = resolve_shapes(args.shapes, args.smoke)
+    except ValueError as e:
+        p.error(f"--shapes: {e}")
+    if not args.shape_list:
+        p.error(f"--shapes {args.shapes!r} names no shape")
+    spec = args.impls if args.impls is not None else ("pallas" if args.tune else ",".join(IMPLS))
+    args.impl_list = tuple(dict.fromkeys(i.strip() for i in spec.split(",") if i.strip()))
+    unknown = [i for i in args.impl_list if i not in IMPLS]
+    if unknown or not args.impl_list:
+        p.error(f"--impls {args.impls!r}: unknown {unknown}; choose from {','.join(IMPLS)}")
     return args
 
 
 def build_settings(args) -> Settings:
-    s = Settings(seed=args.seed, copies=max(0, args.copies), interpret=not has_gpu())
+    s = Settings(seed=args.seed, copies=args.copies, interpret=not has_gpu())
     if args.smoke:
         s = smoke_settings(s)
     overrides = {}
     if args.repeats is not None:
-        overrides["windows"] = max(1, args.repeats)
+        overrides["windows"] = args.repeats
     if args.window_ms is not None:
-        overrides["window_s"] = max(0.0, args.window_ms / 1e3)
+        overrides["window_s"] = args.window_ms / 1e3
     if args.jax_configs is not None:
-        overrides["jax_configs"] = max(1, args.jax_configs)
+        overrides["jax_configs"] = args.jax_configs
     if args.max_configs is not None:
-        overrides["max_tune_configs"] = max(0, args.max_configs)
+        overrides["max_tune_configs"] = args.max_configs
     if args.compile_threads is not None:
-        overrides["compile_threads"] = max(1, args.compile_threads)
+        overrides["compile_threads"] = args.compile_threads
     if args.copy_gib is not None:
         overrides["copy_bytes"] = int(args.copy_gib * 2**30)
     return dataclasses.replace(s, **overrides)
@@ -1258,12 +1299,7 @@ def main(argv=None) -> dict:
             for shape in members:
                 print(f"{shape.name:<24} {group:<6} {shape.describe()}")
         return {}
-    shapes = resolve_shapes(args.shapes, args.smoke)
-    impls = tuple(i.strip() for i in (args.impls or ("pallas" if args.tune else ",".join(IMPLS)))
-                  .split(",") if i.strip())
-    unknown = [i for i in impls if i not in IMPLS]
-    if unknown:
-        raise SystemExit(f"unknown --impls {unknown}; choose from {IMPLS}")
+    shapes, impls = args.shape_list, args.impl_list
     s = build_settings(args)
     if args.plan:
         print(plan(shapes, impls, s, args.tune, sm_count()))
@@ -1372,11 +1408,34 @@ def main(argv=None) -> dict:
     return doc
 
 
+def wrong_rows(doc: dict) -> list[str]:
+    """``shape/impl/label`` of every row whose result was checked and found wrong: a decode output
+    off the oracle (or NaN), or a write whose bits differ."""
+    rows = [r for rec in doc.get("shapes", []) for r in rec.get("results", [])]
+    rows += doc.get("writes", [])
+    return [f"{r.get('shape')}/{r.get('impl')}/{r.get('label')}" for r in rows
+            if r.get("correct") is False or r.get("write_ok") is False]
+
+
+def exit_status(doc: dict) -> int:
+    """0 when every checked row is right, 1 when any row is WRONG, 130 when interrupted."""
+    if doc.get("interrupted"):
+        return 130
+    wrong = wrong_rows(doc)
+    if wrong:
+        print(f"\nWRONG results in {len(wrong)} rows: {', '.join(wrong)}", file=sys.stderr,
+              flush=True)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
     result = main()
-    if result.get("interrupted"):
+    status = exit_status(result)
+    if status == 130:
         # Leave without interpreter teardown: an interrupted compile can crash it, and the
         # results are already printed and written.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(130)
+        os._exit(status)
+    sys.exit(status)

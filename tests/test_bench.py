@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -255,6 +256,7 @@ def test_smoke_decode_rows(smoke):
         assert rows[impl]["correct"] is True and not rows[impl]["nan"]
         assert rows[impl]["rel_err"] < bench.REL_TOL
         assert _finite_positive(rows[impl]["speedup_vs_jax"])
+    assert rows["xla"]["correct"] is True  # every impl is held to the float64 oracle
     assert rows["pallas"]["config"] == record["default_config"]
 
 
@@ -279,6 +281,76 @@ def test_smoke_outputs(smoke):
 def test_unknown_shape_is_an_error():
     with pytest.raises(ValueError, match="unknown shape"):
         bench.resolve_shapes("b32_ctx4096,nope", smoke=False)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--shapes", "b32_ctx4096,nope"], "unknown shape 'nope'"),
+    (["--shapes", ","], "names no shape"),
+    (["--impls", "pallas,triton"], r"unknown \['triton'\]"),
+    (["--impls", ","], "--impls"),
+    (["--repeats", "0"], "--repeats: 0 must be >= 1"),
+    (["--repeats", "two"], "--repeats: 'two' is not a whole number"),
+    (["--window-ms", "-1"], "--window-ms: -1.0 must be >= 0.0"),
+    (["--copy-gib", "0"], "--copy-gib: 0.0 must be > 0.0"),
+    (["--copies", "-1"], "--copies: -1 must be >= 0"),
+])
+def test_bad_arguments_exit_2_with_a_message(capsys, argv, message):
+    with pytest.raises(SystemExit) as stop:
+        bench.parse_args(argv)
+    assert stop.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_arguments_resolve_shapes_and_impls():
+    args = bench.parse_args(["--shapes", "small_b2_ctx64", "--impls", "pallas, write,pallas"])
+    assert [s.name for s in args.shape_list] == ["small_b2_ctx64"]
+    assert args.impl_list == ("pallas", "write")
+    assert bench.parse_args(["--tune"]).impl_list == ("pallas",)
+    assert bench.parse_args([]).impl_list == bench.IMPLS
+
+
+def test_exit_status_counts_wrong_rows():
+    ok = {"shapes": [{"results": [{"shape": "s", "impl": "pallas", "label": "c", "correct": True},
+                                  {"shape": "s", "impl": "xla", "status": "error"}]}],
+          "writes": [{"shape": "s", "impl": "write_xla", "label": "w", "write_ok": True}]}
+    assert bench.exit_status(ok) == 0
+    wrong_decode = {"shapes": [{"results": [{"shape": "s", "impl": "pallas", "label": "c",
+                                             "correct": False}]}], "writes": []}
+    assert bench.wrong_rows(wrong_decode) == ["s/pallas/c"]
+    assert bench.exit_status(wrong_decode) == 1
+    wrong_write = dict(ok, writes=[{"shape": "s", "impl": "write_pallas", "label": "w",
+                                    "write_ok": False}])
+    assert bench.exit_status(wrong_write) == 1
+    assert bench.exit_status(dict(ok, interrupted="signal 15")) == 130
+
+
+def test_smoke_run_is_right_and_exits_0(smoke):
+    returned, _, _ = smoke
+    assert bench.wrong_rows(returned) == [] and bench.exit_status(returned) == 0
+
+
+def test_a_wrong_kernel_is_reported_wrong(monkeypatch):
+    """A planted bug (pallas output shifted by 0.5) is caught against the float64 oracle."""
+    real = bench.decode
+
+    def shifted(*args, impl, **kwargs):
+        out = real(*args, impl=impl, **kwargs)
+        return out + 0.5 if impl == "pallas" else out
+
+    monkeypatch.setattr(bench, "decode", shifted)
+    doc = bench.main(["--smoke", "--shapes", SMOKE_SHAPE, "--impls", "pallas,xla"])
+    rows = {r["impl"]: r for r in doc["shapes"][0]["results"]}
+    assert rows["pallas"]["correct"] is False and rows["xla"]["correct"] is True
+    assert bench.wrong_rows(doc) == [f"{SMOKE_SHAPE}/pallas/{rows['pallas']['label']}"]
+    assert bench.exit_status(doc) == 1
+
+
+def test_cli_usage_error_exits_2():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--repeats", "0"],
+                          capture_output=True, text=True, timeout=120, cwd=root, env=env)
+    assert done.returncode == 2 and "--repeats: 0 must be >= 1" in done.stderr
 
 
 def test_cli_lists_shapes():
