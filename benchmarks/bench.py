@@ -17,8 +17,9 @@ Run ``python -m benchmarks.bench [--shapes NAMES|all] [--impls ...] [--tune] [--
 
 Method:
 
-- Copy bandwidth: a jitted 4 GiB device-to-device copy and a bitwise-not (which XLA cannot elide),
-  bytes read + written over the median time, the larger of the two; measured at the start (the
+- Copy bandwidth (`benchmarks.timing.measure_copy_bandwidth`): over 4 GiB, torch's device-to-device
+  copy (when torch sees the GPU) and a jitted JAX copy and bitwise-not (which XLA cannot elide),
+  bytes read + written over the median time, the largest of them; measured at the start (the
   reference of every fraction) and again at the end (a drift check).
 - Timing: compilation, a correctness call and ~30 ms of warm-up calls outside the clock; then
   ``--repeats`` windows, each ``N`` back-to-back calls followed by ``block_until_ready``, ``N``
@@ -62,7 +63,6 @@ import math
 import os
 import platform as host_platform
 import signal
-import statistics
 import sys
 import time
 import zlib
@@ -80,6 +80,8 @@ from benchmarks.shapes import (ALL_SHAPES, SHAPE_GROUPS, SMALL_SHAPES, DecodeBen
                                  shape_by_name)
 from pallas_paged import quantize_fp8, write_kv
 from parity.oracle import oracle_paged_attention
+from benchmarks.timing import Timing, jsonable, measure, measure_copy_bandwidth
+from benchmarks.timing import describe_error as _error
 
 IMPLS = ("pallas", "xla", "jax_paged_attention", "write")
 DECODE_IMPLS = ("pallas", "xla", "jax_paged_attention")
@@ -128,102 +130,12 @@ def smoke_settings(base: Settings) -> Settings:
 
 
 # ----------------------------------------------------------------------------------------------
-# Timing
-
-
-@dataclasses.dataclass
-class Timing:
-    median_us: float
-    min_us: float
-    max_us: float
-    windows_us: list
-    calls_per_window: int
-    ops_per_call: int
-
-
-def measure(step, ops_per_call: int, s: Settings) -> Timing:
-    """Time ``step`` (one dispatch, returning what to block on) as described in the module doc.
-
-    Warm-up: batches of 1, 2, 4, ... calls until ``s.warmup_s`` has passed (clocks up, allocator
-    and caches warm; compilation happened before); the last batch estimates the time per call,
-    which sets the calls per window. Only the last output of a batch is blocked on: calls on one
-    device run in order, and earlier outputs may already be donated (writes).
-    """
-    batch, spent = 1, 0.0
-    while True:
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(batch):
-            out = step()
-        jax.block_until_ready(out)
-        elapsed = time.perf_counter() - t0
-        spent += elapsed
-        per_call = max(elapsed / batch, 1e-7)
-        if spent >= s.warmup_s or batch >= s.max_calls:
-            break
-        batch *= 2
-    calls = int(min(s.max_calls, max(s.min_calls, math.ceil(s.window_s / per_call))))
-    per_op = []
-    for _ in range(s.windows):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(calls):
-            out = step()
-        jax.block_until_ready(out)
-        per_op.append((time.perf_counter() - t0) / (calls * ops_per_call))
-    us = [t * 1e6 for t in per_op]
-    return Timing(median_us=statistics.median(us), min_us=min(us), max_us=max(us),
-                  windows_us=[round(u, 3) for u in us], calls_per_window=calls,
-                  ops_per_call=ops_per_call)
-
-
-def _error(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip()
-    return text if len(text) <= 2000 else text[:2000] + " ..."
+# Helpers (the timer and the copy bandwidth are `benchmarks.timing`'s)
 
 
 def _short(text: str, n: int = 60) -> str:
     line = " ".join(str(text).split())
     return line if len(line) <= n else line[: n - 3] + "..."
-
-
-# ----------------------------------------------------------------------------------------------
-# Copy bandwidth
-
-
-def measure_copy_bandwidth(nbytes: int, s: Settings) -> dict:
-    """Device-to-device copy bandwidth (bytes read + written per second) of a jitted copy and of a
-    jitted bitwise-not over ``nbytes`` of uint32 (which XLA cannot elide); ``tbps`` is the larger.
-    Never raises: failures are recorded and ``tbps`` is then NaN."""
-    n = max(1024, nbytes // 4)
-    result = {"bytes": 4 * n}
-    try:
-        x = jax.jit(lambda: jax.lax.iota(jnp.uint32, n) * jnp.uint32(2654435761))()
-        jax.block_until_ready(x)
-        sample = np.r_[0:512, n - 512:n]
-        x_sample = np.asarray(x[sample])
-    except Exception as e:  # noqa: BLE001
-        result.update(error=_error(e), tbps=float("nan"))
-        return result
-    for name, fn, expect in (("copy", jnp.copy, x_sample), ("not", jnp.bitwise_not, ~x_sample)):
-        try:
-            compiled = jax.jit(fn).lower(x).compile()
-            y = compiled(x)
-            if y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer():
-                raise RuntimeError(f"jitted {name} returned its input buffer: nothing was copied")
-            if not np.array_equal(np.asarray(y[sample]), expect):
-                raise RuntimeError(f"jitted {name} produced wrong values")
-            del y
-            # At most 4 calls in flight: each holds a fresh output of nbytes.
-            timing = measure(lambda: compiled(x), 1, dataclasses.replace(s, max_calls=4))
-            result[name] = {"median_us": timing.median_us, "windows_us": timing.windows_us,
-                            "tbps": 2 * 4 * n / (timing.median_us * 1e-6) / 1e12}
-        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-            result[name] = {"error": _error(e)}
-    x.delete()
-    rates = [result[k]["tbps"] for k in ("copy", "not") if "tbps" in result[k]]
-    result["tbps"] = max(rates) if rates else float("nan")
-    return result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,22 +238,13 @@ def compare(out, ref) -> dict:
 def oracle_rows(inputs, copy: int, rows: int) -> np.ndarray:
     """The float64 oracle's output for sequences ``0..rows-1`` of input copy ``copy`` (float32).
 
-    Only the physical blocks those sequences read leave the device: they are gathered into a
-    small cache and the tables renumbered into it, so a multi-GB cache costs a few MB here.
+    The oracle indexes the device caches with the positions those sequences read, so only those
+    rows leave the device.
     """
-    shape = inputs.shape
-    lens = inputs.context_lens_np[:rows].astype(np.int64)
-    tables = inputs.block_tables_np[copy][:rows].astype(np.int64)
-    pages = -(-lens // shape.block_size)
-    used = np.arange(tables.shape[1])[None, :] < pages[:, None]
-    ids = np.unique(tables[used]) if used.any() else np.zeros(1, np.int64)
-    local = np.where(used, np.searchsorted(ids, tables), 0)
-    take = jnp.asarray(ids.astype(np.int32))
-    k_blocks = np.asarray(jnp.take(inputs.k_cache, take, axis=0))
-    v_blocks = np.asarray(jnp.take(inputs.v_cache, take, axis=0))
-    out, _ = oracle_paged_attention(np.asarray(inputs.q[copy][:rows]), k_blocks, v_blocks, local,
-                                    lens, k_scale=inputs.k_scale, v_scale=inputs.v_scale,
-                                    sliding_window=shape.sliding_window)
+    out, _ = oracle_paged_attention(
+        np.asarray(inputs.q[copy][:rows]), inputs.k_cache, inputs.v_cache,
+        inputs.block_tables_np[copy][:rows], inputs.context_lens_np[:rows],
+        k_scale=inputs.k_scale, v_scale=inputs.v_scale, sliding_window=inputs.shape.sliding_window)
     return out.astype(np.float32)
 
 
@@ -1101,20 +1004,8 @@ def _dump(doc: dict, path: str | None) -> None:
         return
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=_json_default, allow_nan=True)
+        json.dump(jsonable(doc), f, indent=1, allow_nan=False)
     os.replace(tmp, path)
-
-
-def _json_default(x):
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating,)):
-        return float(x)
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, tuple):
-        return list(x)
-    return str(x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1134,7 +1025,7 @@ def resolve_shapes(spec: str, smoke: bool) -> list[DecodeBenchShape]:
     return list(dict.fromkeys(out))
 
 
-def _int_at_least(low: int):
+def int_at_least(low: int):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -1146,7 +1037,7 @@ def _int_at_least(low: int):
     return parse
 
 
-def _float_at_least(low: float, *, strict: bool = False):
+def float_at_least(low: float, *, strict: bool = False):
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -1179,23 +1070,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, minimal repetitions, interpret mode without a GPU: checks"
                         " that everything runs end to end (timings meaningless)")
-    p.add_argument("--repeats", type=_int_at_least(1), default=None,
+    p.add_argument("--repeats", type=int_at_least(1), default=None,
                    help="timed windows per variant (7)")
-    p.add_argument("--window-ms", type=_float_at_least(0.0), default=None,
+    p.add_argument("--window-ms", type=float_at_least(0.0), default=None,
                    help="target window duration (10)")
     p.add_argument("--json", default=None, help="write all results here (rewritten per shape)")
     p.add_argument("--plot", default=None, help="bar chart (png) of fraction of copy bandwidth")
-    p.add_argument("--jax-configs", type=_int_at_least(1), default=None,
+    p.add_argument("--jax-configs", type=int_at_least(1), default=None,
                    help="JAX paged_attention configs tried per shape (6; 24 = all valid)")
-    p.add_argument("--max-configs", type=_int_at_least(0), default=None,
+    p.add_argument("--max-configs", type=int_at_least(0), default=None,
                    help="tune candidates per shape besides the default (24)")
-    p.add_argument("--compile-threads", type=_int_at_least(1), default=None,
+    p.add_argument("--compile-threads", type=int_at_least(1), default=None,
                    help="threads compiling one shape's Pallas variants (1: serial)")
-    p.add_argument("--copies", type=_int_at_least(0), default=0,
+    p.add_argument("--copies", type=int_at_least(0), default=0,
                    help="force this many input copies (0: automatic; 1: dispatch mode)")
-    p.add_argument("--copy-gib", type=_float_at_least(0.0, strict=True), default=None,
+    p.add_argument("--copy-gib", type=float_at_least(0.0, strict=True), default=None,
                    help="size of the copy-bandwidth buffer in GiB (4)")
-    p.add_argument("--time-limit", type=_float_at_least(0.0), default=0,
+    p.add_argument("--time-limit", type=float_at_least(0.0), default=0,
                    help="seconds: start no new shape after this (0: none); the table is still"
                         " printed. SIGTERM also stops the run and prints what was measured")
     p.add_argument("--seed", type=int, default=0)

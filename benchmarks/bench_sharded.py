@@ -15,7 +15,8 @@ Reported per variant: the median step time (rounds of back-to-back calls after a
 host's dispatch overlaps the device work as in a serving loop), the speedup over ``1gpu``
 (strong: ``t1 / tn``; weak: ``n * t1 / tn``, the work done per unit time), the efficiency
 (speedup / devices), the KV bandwidth achieved and its fraction of the devices' copy bandwidth
-measured in the same run (a bitwise-not over 4 GiB on each device at once), and the largest
+measured in the same run (`benchmarks.timing.measure_copy_bandwidth`: over 4 GiB on each device at
+once; on one GPU also torch's device-to-device copy, the largest rate counts), and the largest
 difference from a single-device `decode` of the same global problem (a correctness check, outside
 the timing). Each variant's failure is recorded and the others still run.
 
@@ -40,8 +41,6 @@ os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 import traceback  # noqa: E402
 
 import jax  # noqa: E402
@@ -49,6 +48,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from benchmarks.bench import int_at_least  # noqa: E402
+from benchmarks.timing import TimerSettings, jsonable, measure  # noqa: E402
+from benchmarks.timing import measure_copy_bandwidth  # noqa: E402
 
 DEVICES = 2
 
@@ -85,13 +88,6 @@ class Variant:
     problem: Problem            # the global problem
     kv_axis: str | None = None
     batch_axis: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Timing:
-    warmup: int = 5
-    rounds: int = 20
-    calls_per_round: int = 10
 
 
 def variants(base: Problem) -> list[Variant]:
@@ -189,41 +185,10 @@ def kernel_config(v: Variant, impl: str):
     return configs.lookup(shape, device_kind(), sm_count())
 
 
-# ----------------------------------------------------------------------------------------- timing
-
-def time_calls(fn, args, timing: Timing) -> dict:
-    """Median per-call time over rounds of back-to-back calls (seconds), after a warm-up."""
-    for _ in range(timing.warmup):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    per_call = []
-    for _ in range(timing.rounds):
-        start = time.perf_counter()
-        for _ in range(timing.calls_per_round):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        per_call.append((time.perf_counter() - start) / timing.calls_per_round)
-    per_call.sort()
-    return dict(median_s=statistics.median(per_call), min_s=per_call[0], max_s=per_call[-1])
-
-
-def copy_bandwidth(devices, nbytes: int, timing: Timing) -> float:
-    """Bytes per second (read + write) of a bitwise-not over ``nbytes`` of uint32 on each of
-    ``devices`` at once: a pure streaming copy that XLA cannot elide (as in `benchmarks.bench`)."""
-    count = nbytes // 4
-    mesh = Mesh(np.array(devices), ("d",))
-    sharding = NamedSharding(mesh, P("d"))
-    make = jax.jit(lambda: jax.random.bits(jax.random.key(1), (len(devices) * count,), jnp.uint32),
-                   out_shardings=sharding)
-    x = make()
-    t = time_calls(jax.jit(jnp.bitwise_not), (x,), timing)["median_s"]
-    del x
-    return 2 * len(devices) * count * 4 / t
-
-
 # ------------------------------------------------------------------------------------------- runs
 
-def run_variant(v: Variant, impl: str, timing: Timing, devices, copy_bw: dict, baseline: dict | None):
+def run_variant(v: Variant, impl: str, timing: TimerSettings, devices, copy_bw: dict,
+                baseline: dict | None):
     import pallas_paged
     from pallas_paged.sharding import shard_decode
 
@@ -240,15 +205,16 @@ def run_variant(v: Variant, impl: str, timing: Timing, devices, copy_bw: dict, b
             fn = jax.jit(lambda *a: pallas_paged.decode(*a, impl=impl))
         else:
             fn = shard_decode(mesh, kv_axis=v.kv_axis, batch_axis=v.batch_axis, impl=impl)
-        t = time_calls(fn, args, timing)
-        row.update(t)
-        bandwidth = v.problem.kv_bytes / t["median_s"]
+        jax.block_until_ready(fn(*args))  # compiled outside the clock
+        t = measure(lambda: fn(*args), 1, timing)
+        row.update(median_s=t.median_us * 1e-6, min_s=t.min_us * 1e-6, max_s=t.max_us * 1e-6)
+        bandwidth = v.problem.kv_bytes / row["median_s"]
         row["kv_GBps"] = bandwidth / 1e9
         row["frac_of_copy_bw"] = bandwidth / copy_bw[v.devices]
         if v.scaling == "baseline":
             row["speedup"] = row["efficiency"] = 1.0
         elif baseline is not None and "median_s" in baseline:
-            ratio = baseline["median_s"] / t["median_s"]
+            ratio = baseline["median_s"] / row["median_s"]
             row["speedup"] = ratio * (v.devices if v.scaling == "weak" else 1)
             row["efficiency"] = row["speedup"] / v.devices
         row["max_abs_diff_vs_1gpu"] = check(fn, args, global_tables, devices[0], impl)
@@ -278,7 +244,7 @@ def _fmt(x, spec: str) -> str:
 def print_table(report: dict) -> None:
     print(f"device: {report['device']}  x{report['num_devices']}   jax {report['jax']}   impl={report['impl']}")
     bw = report["copy_GBps"]
-    print("copy bandwidth (bitwise-not, all devices at once): "
+    print("copy bandwidth (all devices at once): "
           + ", ".join(f"{k} dev {v:.0f} GB/s" for k, v in bw.items()))
     header = (f"{'variant':<10} {'scaling':<8} {'dev':>3} {'B':>4} {'H':>3} {'KVH':>3} {'ms':>8}"
               f" {'speedup':>7} {'eff':>5} {'KV GB/s':>8} {'%copy':>6} {'max|diff|':>9}  status")
@@ -300,18 +266,21 @@ def main(argv=None) -> int:
     parser.add_argument("--impl", choices=("pallas", "xla"), default="pallas")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on 2 virtual CPU devices (interpret mode); times mean nothing")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per variant")
+    parser.add_argument("--rounds", type=int_at_least(1), default=None,
+                        help="timed rounds per variant")
     args = parser.parse_args(argv)
     _configure_platform(args.smoke)
 
     if args.smoke:
         base = Problem(batch=4, context=40, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
-        timing, copy_bytes = Timing(warmup=1, rounds=2, calls_per_round=2), 1 << 20
+        timing = TimerSettings(windows=2, window_s=0.0, warmup_s=0.0, min_calls=2, max_calls=2)
+        copy_bytes = 1 << 20
     else:
         base = Problem()
-        timing, copy_bytes = Timing(), 4 << 30
+        timing = TimerSettings(windows=20, window_s=0.0, warmup_s=0.02, min_calls=10, max_calls=10)
+        copy_bytes = 4 << 30
     if args.rounds:
-        timing = dataclasses.replace(timing, rounds=args.rounds)
+        timing = dataclasses.replace(timing, windows=args.rounds)
     devices = jax.devices()
     report = dict(device=devices[0].device_kind, num_devices=len(devices), jax=jax.__version__,
                   impl=args.impl, smoke=args.smoke, timing=dataclasses.asdict(timing),
@@ -319,7 +288,9 @@ def main(argv=None) -> int:
                   copy_GBps={}, variants=[])
     copy_bw = {}
     for n in sorted({1, min(DEVICES, len(devices))}):
-        copy_bw[n] = copy_bandwidth(devices[:n], copy_bytes, timing)
+        measured = measure_copy_bandwidth(copy_bytes, timing, devices[:n])
+        report.setdefault("copy_bandwidth", {})[n] = measured
+        copy_bw[n] = measured["tbps"] * 1e12
         report["copy_GBps"][n] = copy_bw[n] / 1e9
     baseline = None
     for v in variants(base):
@@ -333,7 +304,7 @@ def main(argv=None) -> int:
             print(f"\n{r['name']}:\n{r['traceback']}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
+            json.dump(jsonable(report), f, indent=2, allow_nan=False)
         print(f"wrote {args.json}")
     failed = [r["name"] for r in report["variants"] if r["status"].startswith("failed")]
     return 1 if failed else 0

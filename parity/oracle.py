@@ -52,7 +52,9 @@ def oracle_paged_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     Args:
       q: ``[B, H, D]`` floats.
       k_cache, v_cache: ``[num_blocks, block_size, KVH, D]`` floats (fp8 codes as
-        ``ml_dtypes.float8_e4m3fn`` or already decoded, e.g. ``cache.float().numpy()``).
+        ``ml_dtypes.float8_e4m3fn`` or already decoded, e.g. ``cache.float().numpy()``): numpy,
+        or any array that numpy integer arrays index, such as a JAX device array, of which only
+        the rows read are fetched (a cache of many GB costs what its sequences read).
       block_tables: ``[B, max_blocks]`` ints. context_lens: ``[B]`` ints.
       scale: None means ``1 / sqrt(D)``.
       logits_soft_cap, alibi_slopes ``[H]``, sliding_window, sinks ``[H]``, k_scale, v_scale: as in

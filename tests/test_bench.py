@@ -359,3 +359,43 @@ def test_cli_lists_shapes():
     out = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--list"], check=True,
                          capture_output=True, text=True, timeout=120, cwd=root, env=env).stdout
     assert all(s.name in out for s in ALL_SHAPES + SMALL_SHAPES)
+
+
+def test_sharded_smoke_run(tmp_path):
+    """bench_sharded on 2 virtual CPU devices: every variant runs and agrees with one device;
+    the copy bandwidth of one and of two devices at once is measured."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    path = tmp_path / "sharded.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_sharded", "--smoke", "--json",
+                           str(path)], capture_output=True, text=True, timeout=300, cwd=root,
+                          env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads(path.read_text())
+    assert {r["name"]: r["status"] for r in report["variants"]} == {
+        name: "ok" for name in ("1gpu", "tp2", "dp2", "dp2-weak", "tp2-weak")}
+    assert all(r["max_abs_diff_vs_1gpu"] < 1e-2 for r in report["variants"])
+    for n in ("1", "2"):
+        copy = report["copy_bandwidth"][n]
+        assert copy["devices"] == int(n) and _finite_positive(copy["tbps"])
+        assert copy["source"] in ("copy", "not")
+
+
+def test_copy_bandwidth_measures_every_jax_way():
+    from benchmarks.timing import TimerSettings, measure_copy_bandwidth
+    s = TimerSettings(windows=2, window_s=0.0, warmup_s=0.0, min_calls=1, max_calls=2)
+    result = measure_copy_bandwidth(1 << 20, s)
+    rates = {k: result[k]["tbps"] for k in ("copy", "not")}
+    assert all(_finite_positive(r) for r in rates.values())
+    assert result["tbps"] == max(rates.values()) == rates[result["source"]]
+    assert "torch_copy" not in result or jax.default_backend() == "gpu"
+
+
+def test_jsonable_writes_strict_json():
+    from benchmarks.timing import jsonable
+    doc = {"a": np.float32(1.5), "b": (np.int64(3), float("nan")), 4: np.arange(2),
+           "c": [float("inf"), -float("inf"), None, True, np.bool_(False)], "d": DecodeConfig}
+    text = json.dumps(jsonable(doc), allow_nan=False)
+    assert json.loads(text) == {"a": 1.5, "b": [3, "nan"], "4": [0, 1],
+                                "c": ["inf", "-inf", None, True, False], "d": str(DecodeConfig)}
+

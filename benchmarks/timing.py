@@ -1,0 +1,222 @@
+"""The benchmarks' one timer, one copy-bandwidth measurement and one JSON sanitizer.
+
+- `measure`: warm-up batches, then ``windows`` timed windows of back-to-back calls, each closed by
+  one synchronization; the median over windows of window time / (calls * operations per call).
+- `measure_copy_bandwidth`: the device's streaming ceiling (bytes read + written per second), the
+  reference every benchmark figure is a fraction of. Measured every way the device allows in the
+  same run: torch's device-to-device copy (when torch sees a CUDA GPU and one device is asked for)
+  and jitted JAX copy and bitwise-not (which XLA cannot elide), over one or several devices at
+  once; ``tbps`` is the largest.
+- `jsonable`: numpy scalars and arrays, tuples and non-finite floats made JSON-safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["TimerSettings", "Timing", "describe_error", "jsonable", "measure",
+           "measure_copy_bandwidth"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TimerSettings:
+    """How `measure` times a call (``benchmarks.bench.Settings`` carries the same fields)."""
+
+    windows: int = 7           # timed windows (the median is reported)
+    window_s: float = 0.010    # target duration of one window
+    warmup_s: float = 0.03     # untimed calls before the windows
+    min_calls: int = 3         # calls per window, at least
+    max_calls: int = 2000      # calls per window (and per warm-up batch), at most
+
+
+@dataclasses.dataclass
+class Timing:
+    median_us: float
+    min_us: float
+    max_us: float
+    windows_us: list
+    calls_per_window: int
+    ops_per_call: int
+
+
+def measure(step, ops_per_call: int, s, sync=jax.block_until_ready) -> Timing:
+    """Time ``step()`` (one dispatch, returning what to wait for).
+
+    Warm-up: batches of 1, 2, 4, ... calls until ``s.warmup_s`` has passed (clocks up, allocator
+    and caches warm; compile before calling this); the last batch estimates the time per call,
+    which sets the calls per window (``s.window_s`` long, within ``[s.min_calls, s.max_calls]``).
+    Only the last output of a batch is waited for: calls on one device run in order, and earlier
+    outputs may already be donated (writes).
+
+    Args:
+      step: a function of no argument that dispatches the work once.
+      ops_per_call: operations one call performs (a loop of several): times are per operation.
+      s: a `TimerSettings` (or anything with its fields).
+      sync: waits for ``step``'s output (``torch.cuda.synchronize`` for torch work).
+    """
+    batch, spent = 1, 0.0
+    while True:
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(batch):
+            out = step()
+        sync(out)
+        elapsed = time.perf_counter() - t0
+        spent += elapsed
+        per_call = max(elapsed / batch, 1e-7)
+        if spent >= s.warmup_s or batch >= s.max_calls:
+            break
+        batch *= 2
+    calls = int(min(s.max_calls, max(s.min_calls, math.ceil(s.window_s / per_call))))
+    per_op = []
+    for _ in range(s.windows):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = step()
+        sync(out)
+        per_op.append((time.perf_counter() - t0) / (calls * ops_per_call))
+    us = [t * 1e6 for t in per_op]
+    return Timing(median_us=statistics.median(us), min_us=min(us), max_us=max(us),
+                  windows_us=[round(u, 3) for u in us], calls_per_window=calls,
+                  ops_per_call=ops_per_call)
+
+
+def describe_error(e: BaseException) -> str:
+    """``Type: message`` of an exception, cut at 2000 characters, for a JSON record."""
+    text = f"{type(e).__name__}: {e}".strip()
+    return text if len(text) <= 2000 else text[:2000] + " ..."
+
+
+def _rate(nbytes: int, timing: Timing) -> dict:
+    """Bytes read + written per second of one call that copies ``nbytes``."""
+    return {"median_us": timing.median_us, "windows_us": timing.windows_us,
+            "tbps": 2 * nbytes / (timing.median_us * 1e-6) / 1e12}
+
+
+def _jax_copies(n: int, s, devices) -> dict:
+    """Jitted copy and bitwise-not of ``n`` uint32 per device, on ``devices`` at once."""
+    results = {}
+    total = n * len(devices)
+    if len(devices) > 1:
+        mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+        placement = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    else:
+        placement = jax.sharding.SingleDeviceSharding(devices[0])
+    x = jax.jit(lambda: jax.lax.iota(jnp.uint32, total) * jnp.uint32(2654435761),
+                out_shardings=placement)()
+    jax.block_until_ready(x)
+    sample = np.r_[0:512, total - 512:total]
+    x_sample = np.asarray(x[sample])
+    for name, fn, expect in (("copy", jnp.copy, x_sample),
+                             ("not", jnp.bitwise_not, ~x_sample)):
+        try:
+            compiled = jax.jit(fn, out_shardings=placement).lower(x).compile()
+            y = compiled(x)
+            if len(devices) == 1 and y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer():
+                raise RuntimeError(f"jitted {name} returned its input buffer: nothing was copied")
+            if not np.array_equal(np.asarray(y[sample]), expect):
+                raise RuntimeError(f"jitted {name} produced wrong values")
+            del y
+            # At most 4 calls in flight: each holds a fresh output of the buffer's size.
+            timing = measure(lambda: compiled(x), 1, dataclasses.replace(_settings(s), max_calls=4))
+            results[name] = _rate(4 * total, timing)
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            results[name] = {"error": describe_error(e)}
+    x.delete()
+    return results
+
+
+def _torch_copy(n: int, s) -> dict | None:
+    """torch's device-to-device copy of ``n`` int32 on the first CUDA device, or None when torch
+    is absent or sees no GPU."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    try:
+        src = torch.arange(n, dtype=torch.int32, device="cuda")
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        if not torch.equal(dst[-512:], src[-512:]):
+            raise RuntimeError("torch's copy produced wrong values")
+        timing = measure(lambda: dst.copy_(src), 1, _settings(s),
+                         sync=lambda _: torch.cuda.synchronize())
+        return _rate(4 * n, timing)
+    except Exception as e:  # noqa: BLE001
+        return {"error": describe_error(e)}
+    finally:
+        src = dst = None
+        torch.cuda.empty_cache()
+
+
+def _settings(s) -> TimerSettings:
+    return TimerSettings(windows=s.windows, window_s=s.window_s, warmup_s=s.warmup_s,
+                         min_calls=s.min_calls, max_calls=s.max_calls)
+
+
+def measure_copy_bandwidth(nbytes: int, s, devices=None) -> dict:
+    """The copy bandwidth (TB/s of bytes read + written) over ``nbytes`` per device.
+
+    Args:
+      nbytes: the buffer copied on each device.
+      s: timer settings (see `measure`).
+      devices: JAX devices copying at once (default: the first device). torch's copy is measured
+        only for one device, when torch sees a CUDA GPU.
+
+    Returns:
+      ``{"bytes", "devices", "copy", "not"[, "torch_copy"], "tbps", "source"}`` (``copy``,
+      ``not``: the jitted JAX ones): each
+      method's median time and rate (or its error), the largest rate and which method gave it.
+      Never raises: ``tbps`` is NaN when nothing could be measured.
+    """
+    devices = list(devices or jax.devices()[:1])
+    n = max(1024, nbytes // 4)
+    result = {"bytes": 4 * n, "devices": len(devices)}
+    try:
+        result.update(_jax_copies(n, s, devices))
+    except Exception as e:  # noqa: BLE001
+        result["jax_error"] = describe_error(e)
+    if len(devices) == 1 and devices[0].platform == "gpu":
+        torch_result = _torch_copy(n, s)
+        if torch_result is not None:
+            result["torch_copy"] = torch_result
+    rates = {k: v["tbps"] for k, v in result.items() if isinstance(v, dict) and "tbps" in v}
+    if rates:
+        result["source"] = max(rates, key=rates.get)
+        result["tbps"] = rates[result["source"]]
+    else:
+        result["source"], result["tbps"] = None, float("nan")
+    return result
+
+
+def jsonable(x):
+    """``x`` with numpy scalars and arrays as Python numbers and lists, tuples as lists, dict keys
+    as strings and non-finite floats as the strings ``"inf"``, ``"-inf"``, ``"nan"`` (JSON has no
+    such numbers); anything else unknown as its ``str``."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return jsonable(x.tolist())
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        x = float(x)
+        return x if math.isfinite(x) else str(x)
+    if x is None or isinstance(x, str):
+        return x
+    return str(x)
