@@ -103,8 +103,8 @@ def _jnp_or_none(x):
 # --- decode -----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class DecodeBucket:
-    """The static part of a decode example: everything that would make jit compile again."""
+class Bucket:
+    """The static shape every example of a bucket shares (a new one would make jit compile)."""
 
     name: str
     num_heads: int
@@ -114,6 +114,16 @@ class DecodeBucket:
     max_blocks: int
     batch: int
     dtype: str
+
+    @property
+    def capacity(self) -> int:
+        return self.max_blocks * self.block_size
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBucket(Bucket):
+    """The static part of a decode example: everything that would make jit compile again."""
+
     q_dtype: str | None = None  # None: the cache dtype (bf16 for an fp8 cache)
     spare_blocks: int = 3
     scale: float | None = None
@@ -130,10 +140,6 @@ class DecodeBucket:
     @property
     def num_blocks(self) -> int:
         return self.batch * self.max_blocks + self.spare_blocks
-
-    @property
-    def capacity(self) -> int:
-        return self.max_blocks * self.block_size
 
     @property
     def out_dtype(self) -> str:
@@ -450,15 +456,7 @@ def test_write_is_bit_exact(bucket, data):
 # --- the runner's step: write, then decode, in one jit with donated caches -----------------------
 
 @dataclasses.dataclass(frozen=True)
-class StepBucket:
-    name: str
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    max_blocks: int
-    batch: int
-    dtype: str
+class StepBucket(Bucket):
     combos: tuple  # (write impl, decode impl) pairs
     padding_tokens: int = 2
     spare_blocks: int = 2
@@ -470,10 +468,6 @@ class StepBucket:
     sinks: bool = False
     return_lse: bool = False
     config: pp.DecodeConfig | None = None
-
-    @property
-    def capacity(self) -> int:
-        return self.max_blocks * self.block_size
 
     def case(self, lens: tuple[int, ...], seed: int) -> Case:
         """A parity `Case` whose block count and token count do not depend on ``lens``."""
