@@ -495,3 +495,18 @@ def test_one_compiled_program_for_every_scale(rng):
                   k_scale=scale, v_scale=2 * scale, impl="xla")
     assert _write_kv_jit._cache_size() - writes == 1
     assert _decode_jit._cache_size() - decodes == 1
+
+
+def test_parity_passes_both_scale_forms():
+    """The default parity suite holds fp8 cases with float scales and with array scales, and the
+    harness hands the latter to both frameworks as fp32 arrays."""
+    from parity import cases, compare
+
+    fp8 = [c for c in cases.DEFAULT_SUITE if c.dtype == FP8]
+    assert {c.array_scales for c in fp8} == {False, True}
+    case = next(c for c in fp8 if c.array_scales)
+    scales = compare._scales(case, lambda s: np.float32(s).reshape(()))
+    assert all(isinstance(s, np.ndarray) and s.dtype == np.float32 for s in scales.values())
+    assert float(scales["k_scale"]) == np.float32(case.k_scale)
+    plain = next(c for c in fp8 if not c.array_scales)
+    assert compare._scales(plain, None) == dict(k_scale=plain.k_scale, v_scale=plain.v_scale)
