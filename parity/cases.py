@@ -85,8 +85,8 @@ class Case:
       logits_soft_cap, sliding_window: as in SPEC.md.
       alibi, sinks: draw ``alibi_slopes`` / ``sinks`` (``f32[num_heads]``) for the case.
       k_scale, v_scale: fp8 dequantization scales; required for fp8 caches, refused otherwise.
-      array_scales: pass ``k_scale`` / ``v_scale`` as fp32 scalar arrays (a 0-d torch tensor, an
-        ``f32[]`` JAX array) rather than python floats.
+      array_scales: pass ``k_scale`` / ``v_scale`` as one-element fp32 arrays (torch tensors,
+        JAX arrays) rather than python floats.
       return_lse: also compare the log-sum-exp.
       padding_tokens: slot ``-1`` tokens mixed into the write.
       block_k, num_splits: a `pallas_paged.DecodeConfig` for the Pallas kernel (None: its default).
