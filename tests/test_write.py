@@ -186,3 +186,22 @@ def test_write_then_decode_sees_the_new_token(rng, impl):
     out, _, v_after = step(k_cache, v_cache)
     assert float(v_after[2, 1, 0, 0]) == 1000.0
     assert float(out[0, 0, 0]) > 1000.0 / 6 - 10  # the written row carries a sixth of the weight
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_donation_recipe_takes_every_keyword(rng, impl):
+    """README's form: ``jax.jit(write_kv, donate_argnums=(0, 1), static_argnames=("impl",
+    "interpret"))`` with fp8 scales (python floats, traced by the caller's jit: one program for
+    both) and ``impl=``, bit-identical to torch."""
+    write = jax.jit(pp.write_kv, donate_argnums=(0, 1), static_argnames=("impl", "interpret"))
+    k_cache, v_cache, k, v, slots = draw_write(rng, dtype="float8_e4m3fn")
+    sizes = []
+    for k_scale, v_scale in ((0.03, 0.3), (0.07, 0.11)):
+        got_k, got_v = write(jnp.asarray(k_cache), jnp.asarray(v_cache), *map(jnp.asarray, (k, v, slots)),
+                             k_scale=k_scale, v_scale=v_scale, impl=impl)
+        expected_k, expected_v = write_torch(k_cache, v_cache, k, v, slots, k_scale=k_scale,
+                                             v_scale=v_scale)
+        np.testing.assert_array_equal(bits(got_k), bits(expected_k))
+        np.testing.assert_array_equal(bits(got_v), bits(expected_v))
+        sizes.append(write._cache_size())  # jit objects of one function share their cache
+    assert sizes[1] == sizes[0]
