@@ -510,3 +510,31 @@ def test_parity_passes_both_scale_forms():
     assert float(scales["k_scale"]) == np.float32(case.k_scale)
     plain = next(c for c in fp8 if not c.array_scales)
     assert compare._scales(plain, None) == dict(k_scale=plain.k_scale, v_scale=plain.v_scale)
+
+
+def test_sharded_functions_take_scales_per_call(rng):
+    """`shard_write_kv` / `shard_decode` take the fp8 scales per call (replicated operands): one
+    compiled program for three layers' scales, the same bits as the single-device functions."""
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    write = pp.shard_write_kv(mesh, kv_axis="tp", impl="xla")
+    decode = pp.shard_decode(mesh, kv_axis="tp", impl="xla")
+    arrays = write_arrays(rng, dtype=FP8, num_blocks=6, block_size=4, kvh=2, head_dim=16,
+                          slots=(1, 7, 12))
+    q = jnp.asarray(rng.standard_normal((3, 4, 16)).astype(NP_DTYPES["bfloat16"]))
+    tables = jnp.array([[0, 1], [2, 3], [4, 5]], jnp.int32)
+    lens = jnp.array([2, 8, 5], jnp.int32)
+    for k_scale, v_scale in ((0.05, 0.5), (0.1, f32(0.25)), (f32([0.02]), 1.5)):
+        x = {name: jnp.asarray(a) for name, a in arrays.items()}
+        expected_k, expected_v = pp.write_kv(**x, k_scale=k_scale, v_scale=v_scale, impl="xla")
+        per_call = dict(k_scale=jnp.float32(np.reshape(k_scale, ())),  # one shape: one program
+                        v_scale=jnp.float32(np.reshape(v_scale, ())))
+        k_cache, v_cache = write(**{name: jnp.asarray(a) for name, a in arrays.items()}, **per_call)
+        np.testing.assert_array_equal(bits(k_cache), bits(expected_k))
+        np.testing.assert_array_equal(bits(v_cache), bits(expected_v))
+        out = decode(q, k_cache, v_cache, tables, lens, **per_call)
+        expected = pp.decode(q, expected_k, expected_v, tables, lens, k_scale=k_scale,
+                             v_scale=v_scale, impl="xla")
+        np.testing.assert_array_equal(bits(out), bits(expected))
+    assert write._cache_size() == 1 and decode._cache_size() == 1
