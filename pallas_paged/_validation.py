@@ -17,6 +17,13 @@ Under ``jax.jit`` values cannot raise. What happens instead, by construction of 
   capacity; a block id outside ``[0, num_blocks)`` in the valid part of a table is clamped into
   that range (the read stays inside the cache, the output for that sequence is meaningless).
   Table entries past ``ceil(n / block_size)`` are never read at all.
+
+int64 indices never wrap. The kernels work in int32; an int64 index array is clamped *in int64*
+into the range its rule above maps it to (slots into ``[-1, num_blocks * block_size]``, lengths
+into ``[0, capacity]``, block ids into ``[0, num_blocks)``) before it is narrowed, so a slot of
+``2**32 + 5`` is dropped rather than written to slot 5. A numpy int64 array is clamped on the host
+before JAX converts it (with x64 off that conversion would wrap it); a JAX int64 array (x64 on,
+concrete or traced) is clamped on the device (`clamp_index`).
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ import numpy as np
 
 CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn)
 QUERY_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+INDEX_DTYPES = (jnp.int32, jnp.int64)
 FP8_DTYPE = jnp.float8_e4m3fn
+FP32_MAX = float(np.finfo(np.float32).max)
 
 
 def _shape(x) -> tuple[int, ...]:
@@ -47,15 +56,36 @@ def _check_rank(name: str, x, ndim: int) -> None:
 
 
 def _check_int(name: str, x) -> None:
-    if not jnp.issubdtype(_dtype(x), jnp.signedinteger):
-        raise ValueError(f"{name} must be int32 (int64 accepted), got {name}.dtype={_dtype(x)}")
+    if _dtype(x) not in [jnp.dtype(d) for d in INDEX_DTYPES]:
+        raise ValueError(f"{name} must be int32 or int64, got {name}.dtype={_dtype(x)}")
+
+
+def _is_python_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_positive_float(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not _is_python_number(value):
         raise ValueError(f"{name} must be a python float, got {type(value).__name__}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name}={value} must be finite and > 0")
+    if not (math.isfinite(value) and 0 < value <= FP32_MAX):
+        raise ValueError(f"{name}={value} must be finite and > 0 (and at most float32's max)")
+
+
+def check_fp8_scale(name: str, value) -> None:
+    """A per-tensor fp8 scale: a python float (finite, > 0) or a float32 array of shape () or (1,).
+
+    An array may be traced (under ``jax.jit`` one compiled program serves every value); its value
+    is checked by the eager validation (`validate_write_inputs`, `validate_decode_inputs`).
+    """
+    if _is_python_number(value):
+        _check_positive_float(name, value)
+        return
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        raise ValueError(f"{name} must be a python float or a float32 scalar array, got"
+                         f" {type(value).__name__}")
+    if _shape(value) not in ((), (1,)) or _dtype(value) != jnp.dtype(jnp.float32):
+        raise ValueError(f"{name} must be a python float or a float32 array of shape () or (1,),"
+                         f" got {name}.shape={_shape(value)}, {name}.dtype={_dtype(value)}")
 
 
 def static_validate_caches(k_cache, v_cache) -> None:
@@ -73,12 +103,12 @@ def static_validate_caches(k_cache, v_cache) -> None:
 
 
 def static_validate_fp8_scales(cache_dtype, k_scale, v_scale) -> None:
-    """fp8 caches need both per-tensor scales (python floats > 0); other caches take none."""
+    """fp8 caches need both per-tensor scales (`check_fp8_scale`); other caches take none."""
     if jnp.dtype(cache_dtype) == jnp.dtype(FP8_DTYPE):
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
             if s is None:
                 raise ValueError(f"{name} is required for a float8_e4m3fn cache")
-            _check_positive_float(name, s)
+            check_fp8_scale(name, s)
     elif k_scale is not None or v_scale is not None:
         raise ValueError(
             f"k_scale / v_scale apply to float8_e4m3fn caches only, got a {jnp.dtype(cache_dtype)}"
@@ -110,8 +140,8 @@ def static_validate_write(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_
 def static_validate_options(num_heads: int, *, scale=None, logits_soft_cap=None, alibi_slopes=None,
                             sliding_window=None, sinks=None) -> None:
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise ValueError(f"scale must be a finite python float or None, got {scale!r}")
+        if not _is_python_number(scale) or not (math.isfinite(scale) and abs(scale) <= FP32_MAX):
+            raise ValueError(f"scale must be a python float, finite in float32, or None, got {scale!r}")
     if logits_soft_cap is not None:
         _check_positive_float("logits_soft_cap", logits_soft_cap)
     if sliding_window is not None:
@@ -138,6 +168,10 @@ def static_validate_decode(q, k_cache, v_cache, block_tables, context_lens, *, k
     _check_rank("context_lens", context_lens, 1)
     if _dtype(q) not in [jnp.dtype(t) for t in QUERY_DTYPES]:
         raise ValueError(f"{q.dtype=} must be float32, bfloat16 or float16")
+    if _dtype(k_cache) != jnp.dtype(FP8_DTYPE) and _dtype(q) != _dtype(k_cache):
+        raise ValueError(
+            f"{q.dtype=} must equal {k_cache.dtype=}: mixed query / cache float dtypes are refused"
+            " (only a float8_e4m3fn cache takes a float32, bfloat16 or float16 q)")
     batch, num_heads, head_dim = _shape(q)
     _, _, kvh, d = _shape(k_cache)
     if head_dim != d:
@@ -160,14 +194,49 @@ def _first(mask: np.ndarray) -> tuple[int, ...]:
     return tuple(int(i) for i in np.argwhere(mask)[0])
 
 
+def host_clamp_index(x, lo: int, hi: int):
+    """A numpy int64 array clamped into ``[lo, hi]`` and narrowed to int32 on the host.
+
+    JAX converts a numpy int64 array to int32 when x64 is off, wrapping values outside int32
+    (``2**32 + 5`` becomes 5). The public functions call this first, with the range the jit rules
+    map each index to, so that the narrowing changes no outcome. Anything else is returned as is.
+    """
+    if isinstance(x, np.ndarray) and x.dtype == np.int64:
+        return np.clip(x, lo, hi).astype(np.int32)
+    return x
+
+
+def clamp_index(x, lo: int, hi: int):
+    """Inside a traced program: an int64 index array clamped into ``[lo, hi]`` in int64, then
+    narrowed to int32 (so it cannot wrap); an int32 one unchanged (the kernels bound it)."""
+    if jnp.dtype(x.dtype) == jnp.dtype(jnp.int64):
+        return jnp.clip(x, lo, hi).astype(jnp.int32)
+    return x.astype(jnp.int32)
+
+
+def _check_scale_values(k_scale, v_scale) -> None:
+    """The value of array scales (python floats were checked statically)."""
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None or _is_python_number(s):
+            continue
+        value = float(np.asarray(s, np.float32).reshape(()))
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}={value} must be finite and > 0")
+
+
 def validate_write_inputs(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Eager checks of `write_kv`'s arguments: the static checks, then slot values.
 
+    Pass the arrays as they will be passed to `write_kv` (numpy int64 slots are checked at their
+    full width, before any narrowing).
+
     Raises:
       ValueError: a slot ``< -1`` or ``>= num_blocks * block_size``, or a slot used by two tokens,
-        naming the first offending token index; or any static check.
+        naming the first offending token index; an array scale that is not finite and > 0; or any
+        static check.
     """
     static_validate_write(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
+    _check_scale_values(k_scale, v_scale)
     num_blocks, block_size = _shape(k_cache)[:2]
     num_slots = num_blocks * block_size
     slots = np.asarray(slot_mapping).astype(np.int64)
@@ -191,12 +260,14 @@ def validate_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, *, k
     """Eager checks of `decode`'s arguments: the static checks, then lengths and block ids.
 
     Raises:
-      ValueError: a negative length, a length beyond ``max_blocks * block_size``, or a block id
-        outside ``[0, num_blocks)`` among the first ``ceil(n / block_size)`` entries of a row
-        (entries past those are garbage by contract and not checked); or any static check.
+      ValueError: a negative length, a length beyond ``max_blocks * block_size`` (any nonzero
+        length for a table of width 0), or a block id outside ``[0, num_blocks)`` among the first
+        ``ceil(n / block_size)`` entries of a row (entries past those are garbage by contract and
+        not checked); an array scale that is not finite and > 0; or any static check.
     """
     static_validate_decode(q, k_cache, v_cache, block_tables, context_lens, k_scale=k_scale,
                            v_scale=v_scale, **options)
+    _check_scale_values(k_scale, v_scale)
     num_blocks, block_size = _shape(k_cache)[:2]
     lens = np.asarray(context_lens).astype(np.int64)
     tables = np.asarray(block_tables).astype(np.int64)

@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_paged import _validation
 from pallas_paged.cache_write.api import write_kv
+from pallas_paged.cache_write.fp8 import scale_operand
 from pallas_paged.decode_attention.api import decode
 
 __all__ = [
@@ -66,10 +67,12 @@ COLLECTIVE_OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "c
                   "collective-broadcast", "ragged-all-to-all")
 
 # decode's keywords: the static ones (part of the compiled program) and the per-head arrays.
-_DECODE_STATIC = ("scale", "logits_soft_cap", "sliding_window", "k_scale", "v_scale", "return_lse",
-                  "impl", "interpret", "config")
+_DECODE_STATIC = ("scale", "logits_soft_cap", "sliding_window", "return_lse", "impl", "interpret",
+                  "config")
 _DECODE_HEAD_ARRAYS = ("alibi_slopes", "sinks")
-_WRITE_STATIC = ("k_scale", "v_scale", "impl", "interpret")
+# fp8 scales: python floats or f32[] arrays, per call, replicated on every device.
+_SCALES = ("k_scale", "v_scale")
+_WRITE_STATIC = ("impl", "interpret")
 
 
 def _shard_map(f: Callable, mesh, in_specs, out_specs) -> Callable:
@@ -137,6 +140,12 @@ def _split_kwargs(kind: str, kwargs: dict, static_names, array_names=()) -> tupl
     return static, arrays
 
 
+def _scale_operands(k_scale, v_scale) -> dict:
+    """The given fp8 scales as ``f32[]`` operands of the sharded call (replicated), by name."""
+    given = (("k_scale", k_scale), ("v_scale", v_scale))
+    return {name: scale_operand(s) for name, s in given if s is not None}
+
+
 def _decode_specs(kv_axis, batch_axis) -> dict[str, P]:
     return {
         "q": P(batch_axis, kv_axis, None),                 # [batch, num_heads, head_dim]
@@ -192,14 +201,15 @@ def shard_decode(mesh, *, kv_axis: str | None = "tp", batch_axis: str | None = N
       kv_axis: mesh axis to split the kv heads (and their query heads) over, or None.
       batch_axis: mesh axis to split the batch and the cache blocks over, or None.
       **decode_kwargs: `decode`'s keywords: ``scale``, ``logits_soft_cap``, ``sliding_window``,
-        ``k_scale``, ``v_scale``, ``return_lse``, ``impl``, ``interpret``, ``config`` (static), and
-        ``alibi_slopes`` / ``sinks`` (``f32[num_heads]``, global, sharded with the heads): these two
-        are better passed to the returned function per call (one compiled program serves every
-        layer); given here they are its defaults.
+        ``return_lse``, ``impl``, ``interpret``, ``config`` (static), ``alibi_slopes`` / ``sinks``
+        (``f32[num_heads]``, global, sharded with the heads) and the fp8 scales ``k_scale`` /
+        ``v_scale`` (python floats or ``f32[]`` arrays, replicated): these four are better passed
+        to the returned function per call (one compiled program serves every layer); given here
+        they are its defaults.
 
     Returns:
       A jitted ``fn(q, k_cache, v_cache, block_tables, context_lens, *, alibi_slopes=None,
-      sinks=None)`` on global arrays:
+      sinks=None, k_scale=None, v_scale=None)`` on global arrays:
 
       - ``q [batch, num_heads, head_dim]``: sharded ``P(batch_axis, kv_axis, None)``;
       - ``k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]``:
@@ -207,7 +217,8 @@ def shard_decode(mesh, *, kv_axis: str | None = "tp", batch_axis: str | None = N
       - ``block_tables i32[batch, max_blocks]``: ``P(batch_axis, None)`` (replicated without
         ``batch_axis``), ids local to the device's cache shard;
       - ``context_lens i32[batch]``: ``P(batch_axis)``;
-      - ``alibi_slopes``, ``sinks`` ``f32[num_heads]``: ``P(kv_axis)``.
+      - ``alibi_slopes``, ``sinks`` ``f32[num_heads]``: ``P(kv_axis)``;
+      - ``k_scale``, ``v_scale``: replicated (``P()``).
 
       It returns ``out [batch, num_heads, head_dim]`` sharded like ``q``, or ``(out, lse)`` with
       ``return_lse`` (``lse f32[batch, num_heads]``, ``P(batch_axis, kv_axis)``).
@@ -221,18 +232,19 @@ def shard_decode(mesh, *, kv_axis: str | None = "tp", batch_axis: str | None = N
     """
     sizes = _check_axes(mesh, kv_axis, batch_axis)
     static, default_arrays = _split_kwargs("decode", decode_kwargs, _DECODE_STATIC,
-                                           _DECODE_HEAD_ARRAYS)
+                                           _DECODE_HEAD_ARRAYS + _SCALES)
     specs = _decode_specs(kv_axis, batch_axis)
     return_lse = bool(static.get("return_lse", False))
     out_specs = (specs["out"], specs["lse"]) if return_lse else specs["out"]
 
     def sharded_decode(q, k_cache, v_cache, block_tables, context_lens, *,
                        alibi_slopes=default_arrays.get("alibi_slopes"),
-                       sinks=default_arrays.get("sinks")):
+                       sinks=default_arrays.get("sinks"), k_scale=default_arrays.get("k_scale"),
+                       v_scale=default_arrays.get("v_scale")):
         options = {k: static[k] for k in ("scale", "logits_soft_cap", "sliding_window") if k in static}
         _validation.static_validate_decode(
-            q, k_cache, v_cache, block_tables, context_lens, k_scale=static.get("k_scale"),
-            v_scale=static.get("v_scale"), alibi_slopes=alibi_slopes, sinks=sinks, **options)
+            q, k_cache, v_cache, block_tables, context_lens, k_scale=k_scale, v_scale=v_scale,
+            alibi_slopes=alibi_slopes, sinks=sinks, **options)
         shapes = f"{q.shape=}, {k_cache.shape=}, {block_tables.shape=}"
         kvh = k_cache.shape[2]
         _check_divides("num_kv_heads", kvh, kv_axis, sizes, shapes)
@@ -245,16 +257,18 @@ def shard_decode(mesh, *, kv_axis: str | None = "tp", batch_axis: str | None = N
 
         head_arrays = {k: x for k, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks))
                        if x is not None}
-        names = tuple(head_arrays)
+        scales = _scale_operands(k_scale, v_scale)
+        names = tuple(head_arrays) + tuple(scales)
 
         def per_shard(q, k_cache, v_cache, block_tables, context_lens, *extras):
             return decode(q, k_cache, v_cache, block_tables, context_lens,
                           **dict(zip(names, extras)), **static)
 
         in_specs = (specs["q"], specs["k_cache"], specs["v_cache"], specs["block_tables"],
-                    specs["context_lens"]) + tuple(specs[k] for k in names)
+                    specs["context_lens"]) + tuple(specs[k] for k in head_arrays) + (P(),) * len(scales)
         fn = _shard_map(per_shard, mesh, in_specs, out_specs)
-        return fn(q, k_cache, v_cache, block_tables, context_lens, *head_arrays.values())
+        return fn(q, k_cache, v_cache, block_tables, context_lens, *head_arrays.values(),
+                  *scales.values())
 
     return jax.jit(sharded_decode)
 
@@ -272,10 +286,12 @@ def shard_write_kv(mesh, *, kv_axis: str | None = "tp", batch_axis: str | None =
       mesh: a `jax.sharding.Mesh` holding the named axes.
       kv_axis: mesh axis to split the kv heads over, or None.
       batch_axis: mesh axis to split the tokens and the cache blocks over, or None.
-      **write_kwargs: `write_kv`'s static keywords ``k_scale``, ``v_scale``, ``impl``, ``interpret``.
+      **write_kwargs: `write_kv`'s static keywords ``impl``, ``interpret``, and the default fp8
+        scales ``k_scale``, ``v_scale`` (better passed per call: one program for every layer).
 
     Returns:
-      A jitted ``fn(k_cache, v_cache, k, v, slot_mapping) -> (k_cache, v_cache)`` that donates the
+      A jitted ``fn(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None) ->
+      (k_cache, v_cache)`` (scales: python floats or ``f32[]`` arrays, replicated) that donates the
       caches (``donate_argnums=(0, 1)``): the input cache arrays are consumed and the results reuse
       their buffers on every device. Shardings: caches ``P(batch_axis, None, kv_axis, None)``,
       ``k, v [num_tokens, num_kv_heads, head_dim]`` ``P(batch_axis, kv_axis, None)``,
@@ -288,24 +304,29 @@ def shard_write_kv(mesh, *, kv_axis: str | None = "tp", batch_axis: str | None =
         not divisible by the ``batch_axis`` size.
     """
     sizes = _check_axes(mesh, kv_axis, batch_axis)
-    static, _ = _split_kwargs("write_kv", write_kwargs, _WRITE_STATIC)
+    static, default_scales = _split_kwargs("write_kv", write_kwargs, _WRITE_STATIC, _SCALES)
     specs = _write_specs(kv_axis, batch_axis)
     cache_spec = specs["k_cache"]
 
-    def per_shard(k_cache, v_cache, k, v, slot_mapping):
-        return write_kv(k_cache, v_cache, k, v, slot_mapping, **static)
-
-    def sharded_write(k_cache, v_cache, k, v, slot_mapping):
-        _validation.static_validate_write(k_cache, v_cache, k, v, slot_mapping, static.get("k_scale"),
-                                       static.get("v_scale"))
+    def sharded_write(k_cache, v_cache, k, v, slot_mapping, *,
+                      k_scale=default_scales.get("k_scale"), v_scale=default_scales.get("v_scale")):
+        _validation.static_validate_write(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
         shapes = f"{k_cache.shape=}, {k.shape=}, {slot_mapping.shape=}"
         _check_divides("num_kv_heads", k_cache.shape[2], kv_axis, sizes, shapes)
         _check_divides("num_tokens", slot_mapping.shape[0], batch_axis, sizes, shapes)
         _check_divides("num_blocks", k_cache.shape[0], batch_axis, sizes, shapes)
+        scales = _scale_operands(k_scale, v_scale)
+        names = tuple(scales)
+
+        def per_shard(k_cache, v_cache, k, v, slot_mapping, *extras):
+            return write_kv(k_cache, v_cache, k, v, slot_mapping, **dict(zip(names, extras)),
+                            **static)
+
         fn = _shard_map(per_shard, mesh,
-                        (cache_spec, cache_spec, specs["k"], specs["v"], specs["slot_mapping"]),
+                        (cache_spec, cache_spec, specs["k"], specs["v"], specs["slot_mapping"])
+                        + (P(),) * len(scales),
                         (cache_spec, cache_spec))
-        return fn(k_cache, v_cache, k, v, slot_mapping)
+        return fn(k_cache, v_cache, k, v, slot_mapping, *scales.values())
 
     return jax.jit(sharded_write, donate_argnums=(0, 1))
 

@@ -85,6 +85,8 @@ class Case:
       logits_soft_cap, sliding_window: as in SPEC.md.
       alibi, sinks: draw ``alibi_slopes`` / ``sinks`` (``f32[num_heads]``) for the case.
       k_scale, v_scale: fp8 dequantization scales; required for fp8 caches, refused otherwise.
+      array_scales: pass ``k_scale`` / ``v_scale`` as one-element fp32 arrays (torch tensors,
+        JAX arrays) rather than python floats.
       return_lse: also compare the log-sum-exp.
       padding_tokens: slot ``-1`` tokens mixed into the write.
       block_k, num_splits: a `pallas_paged.DecodeConfig` for the Pallas kernel (None: its default).
@@ -108,6 +110,7 @@ class Case:
     sinks: bool = False
     k_scale: float | None = None
     v_scale: float | None = None
+    array_scales: bool = False
     return_lse: bool = False
     padding_tokens: int = 3
     block_k: int | None = None
@@ -385,6 +388,7 @@ DEFAULT_SUITE: tuple[Case, ...] = (
     _named(6, 2, 80, 12, "float32", "_window5", sliding_window=5),
     _named(8, 2, 64, 16, "bfloat16", "_sinks", sinks=True),
     _named(8, 2, 128, 16, "float8_e4m3fn", **FP8_SCALES),
+    _named(8, 2, 64, 5, "float8_e4m3fn", "_arrayscales", array_scales=True, **FP8_SCALES),
     _named(8, 2, 64, 16, "bfloat16", "_lse", return_lse=True),
     _named(4, 4, 64, 5, "float32", "_lse", return_lse=True),
     # All together, and through the split-K merge.

@@ -174,7 +174,7 @@ def _run_torch(case: Case, inputs: dict[str, np.ndarray], device: str, timings: 
     convert.configure_torch()
     t = {name: convert.to_torch(x, device) for name, x in inputs.items()}
     sync = lambda _: convert.torch_sync(device)  # noqa: E731
-    scales = dict(k_scale=case.k_scale, v_scale=case.v_scale)
+    scales = _scales(case, lambda s: convert.to_torch(np.asarray(s, np.float32), device))
     _, timings["torch.write"] = _timed(
         lambda: torch_ref.write_kv(t["k_cache"], t["v_cache"], t["k"], t["v"], t["slot_mapping"],
                                    **scales), sync)
@@ -189,6 +189,13 @@ def _run_torch(case: Case, inputs: dict[str, np.ndarray], device: str, timings: 
     results["out"] = convert.from_torch(out)
     if lse is not None:
         results["lse"] = convert.from_torch(lse)
+
+
+def _scales(case: Case, to_array) -> dict:
+    """The fp8 scales as the case passes them: python floats, or ``to_array(float)`` arrays."""
+    if not case.array_scales or case.k_scale is None:
+        return dict(k_scale=case.k_scale, v_scale=case.v_scale)
+    return dict(k_scale=to_array(case.k_scale), v_scale=to_array(case.v_scale))
 
 
 def _decode_config(case: Case):
@@ -209,7 +216,7 @@ def _run_jax(case: Case, inputs: dict[str, np.ndarray], device: str, impl: str, 
     Each call runs twice: the first time (compile + run) and the second (run) are both recorded.
     """
     x = {name: convert.to_jax(a, device) for name, a in inputs.items()}
-    scales = dict(k_scale=case.k_scale, v_scale=case.v_scale)
+    scales = _scales(case, lambda s: convert.to_jax(np.asarray(s, np.float32), device))
 
     def write():
         return pallas_paged.write_kv(x["k_cache"], x["v_cache"], x["k"], x["v"], x["slot_mapping"],

@@ -249,10 +249,17 @@ def test_explicit_scale(rng, impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_int64_tables_and_lengths(rng, impl):
+    """Real int64 (x64 on: with it off, JAX narrows the arrays before decode sees them), and numpy
+    int64 arrays with x64 off: the same output as int32."""
     paged = make_paged(rng, lens=[10, 3], block_size=4)
-    out = pp.decode(*paged.jax(block_tables=paged.block_tables.astype(np.int64),
-                               context_lens=paged.context_lens.astype(np.int64)), impl=impl)
+    tables, lens = paged.block_tables.astype(np.int64), paged.context_lens.astype(np.int64)
+    with jax.enable_x64(True):
+        args = paged.jax(block_tables=tables, context_lens=lens)
+        assert args[3].dtype == args[4].dtype == jnp.int64
+        out = pp.decode(*args, impl=impl)
     np.testing.assert_array_equal(to_numpy(out), run_jax(paged, impl))
+    args = paged.jax()[:3] + [tables, lens]
+    np.testing.assert_array_equal(to_numpy(pp.decode(*args, impl=impl)), run_jax(paged, impl))
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -34,6 +34,10 @@ STATIC_DECODE_CASES = {
     "tables float": (dict(block_tables=np.zeros((2, 3), np.float32)), r"block_tables must be int32"),
     "lens batch": (dict(context_lens=np.zeros((3,), np.int32)), r"context_lens.shape"),
     "lens float": (dict(context_lens=np.zeros((2,), np.float32)), r"context_lens must be int32"),
+    "lens int16": (dict(context_lens=np.zeros((2,), np.int16)), r"context_lens must be int32 or int64"),
+    "tables bool": (dict(block_tables=np.zeros((2, 3), np.bool_)), r"block_tables must be int32 or int64"),
+    "mixed q / cache dtypes": (dict(q=np.zeros((2, 4, 32), np.float16)),
+                               r"q.dtype=.*float16.* must equal k_cache.dtype=.*float32"),
 }
 
 
@@ -74,6 +78,15 @@ def test_fp8_cache_needs_scales(rng):
         pp.decode(*paged.jax())
     with pytest.raises(ValueError, match="v_scale"):
         pp.decode(*paged.jax(), k_scale=1.0, v_scale=-1.0)
+    with pytest.raises(ValueError, match=r"k_scale must be a python float or a float32 array"):
+        pp.decode(*paged.jax(), k_scale=jnp.ones((2,), jnp.float32), v_scale=1.0)
+    with pytest.raises(ValueError, match=r"v_scale must be a python float or a float32 array"):
+        pp.decode(*paged.jax(), k_scale=1.0, v_scale=jnp.ones((), jnp.bfloat16))
+    pp.validate_decode_inputs(*paged.jax(), k_scale=jnp.float32(0.5), v_scale=jnp.ones((1,), jnp.float32))
+    with pytest.raises(ValueError, match=r"k_scale=-0.5 must be finite and > 0"):
+        pp.validate_decode_inputs(*paged.jax(), k_scale=jnp.float32(-0.5), v_scale=1.0)
+    with pytest.raises(ValueError, match=r"v_scale=inf must be finite and > 0"):
+        pp.validate_decode_inputs(*paged.jax(), k_scale=0.5, v_scale=jnp.float32(np.inf))
 
 
 def test_unknown_impl_and_bad_config(paged):

@@ -86,10 +86,37 @@ def test_i1_padding_token_leaves_no_trace(rng, impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_int64_slots(rng, impl):
+    """Real int64 slots (x64 on: with it off, JAX narrows the array before write_kv sees it), and a
+    numpy int64 array with x64 off, write exactly what int32 slots write."""
     k_cache, v_cache, k, v, slots = draw_write(rng)
     a = pp.write_kv(*map(jnp.asarray, (k_cache, v_cache, k, v, slots)), impl=impl)
-    b = pp.write_kv(*map(jnp.asarray, (k_cache, v_cache, k, v, slots.astype(np.int64))), impl=impl)
-    np.testing.assert_array_equal(bits(a[0]), bits(b[0]))
+    with jax.enable_x64(True):
+        slots64 = jnp.asarray(slots.astype(np.int64))
+        assert slots64.dtype == jnp.int64
+        b = pp.write_kv(*map(jnp.asarray, (k_cache, v_cache, k, v)), slots64, impl=impl)
+    c = pp.write_kv(*map(jnp.asarray, (k_cache, v_cache, k, v)), slots.astype(np.int64), impl=impl)
+    for got in (b, c):
+        np.testing.assert_array_equal(bits(got[0]), bits(a[0]))
+        np.testing.assert_array_equal(bits(got[1]), bits(a[1]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_int64_slots_outside_int32_never_wrap(rng, impl):
+    """``2**32 + 5`` would wrap to slot 5 and ``2**32 - 1`` to -1 (the last slot): both are dropped,
+    jitted with x64 on as eagerly with a numpy int64 array; eager validation rejects them."""
+    k_cache, v_cache, k, v, slots = draw_write(rng, num_tokens=4, num_padding=0)
+    slots64 = np.array([2**32 + 5, 2, 2**32 - 1, -(2**32) + 7], np.int64)
+    expected_k, expected_v = write_torch(k_cache, v_cache, k, v, np.array([-1, 2, -1, -1], np.int32))
+    with jax.enable_x64(True):
+        args = [*map(jnp.asarray, (k_cache, v_cache, k, v, slots64))]
+        assert args[4].dtype == jnp.int64
+        jitted = jax.jit(functools.partial(pp.write_kv, impl=impl))(*args)
+    eager = pp.write_kv(*map(jnp.asarray, (k_cache, v_cache, k, v)), slots64, impl=impl)
+    for got_k, got_v in (jitted, eager):
+        np.testing.assert_array_equal(bits(got_k), bits(expected_k))
+        np.testing.assert_array_equal(bits(got_v), bits(expected_v))
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\]=4294967301 is out of range"):
+        pp.validate_write_inputs(k_cache, v_cache, k, v, slots64)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -159,3 +186,22 @@ def test_write_then_decode_sees_the_new_token(rng, impl):
     out, _, v_after = step(k_cache, v_cache)
     assert float(v_after[2, 1, 0, 0]) == 1000.0
     assert float(out[0, 0, 0]) > 1000.0 / 6 - 10  # the written row carries a sixth of the weight
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_donation_recipe_takes_every_keyword(rng, impl):
+    """README's form: ``jax.jit(write_kv, donate_argnums=(0, 1), static_argnames=("impl",
+    "interpret"))`` with fp8 scales (python floats, traced by the caller's jit: one program for
+    both) and ``impl=``, bit-identical to torch."""
+    write = jax.jit(pp.write_kv, donate_argnums=(0, 1), static_argnames=("impl", "interpret"))
+    k_cache, v_cache, k, v, slots = draw_write(rng, dtype="float8_e4m3fn")
+    sizes = []
+    for k_scale, v_scale in ((0.03, 0.3), (0.07, 0.11)):
+        got_k, got_v = write(jnp.asarray(k_cache), jnp.asarray(v_cache), *map(jnp.asarray, (k, v, slots)),
+                             k_scale=k_scale, v_scale=v_scale, impl=impl)
+        expected_k, expected_v = write_torch(k_cache, v_cache, k, v, slots, k_scale=k_scale,
+                                             v_scale=v_scale)
+        np.testing.assert_array_equal(bits(got_k), bits(expected_k))
+        np.testing.assert_array_equal(bits(got_v), bits(expected_v))
+        sizes.append(write._cache_size())  # jit objects of one function share their cache
+    assert sizes[1] == sizes[0]

@@ -14,6 +14,35 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3f
 QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 FP8_DTYPE = torch.float8_e4m3fn
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _is_python_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_positive_float(name: str, value) -> None:
+    """A python float, finite, > 0 and representable in float32."""
+    if not _is_python_number(value):
+        raise ValueError(f"{name} must be a python float, got {type(value).__name__}")
+    if not (math.isfinite(value) and 0 < value <= FP32_MAX):
+        raise ValueError(f"{name}={value} must be finite and > 0 (and at most float32's max)")
+
+
+def check_fp8_scale(name: str, value) -> None:
+    """A per-tensor fp8 scale: a python float or a float32 tensor of shape () or (1,), finite, > 0."""
+    if _is_python_number(value):
+        check_positive_float(name, value)
+        return
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a python float or a float32 scalar tensor, got"
+                         f" {type(value).__name__}")
+    if tuple(value.shape) not in ((), (1,)) or value.dtype != torch.float32:
+        raise ValueError(f"{name} must be a python float or a float32 tensor of shape () or (1,),"
+                         f" got {name}.shape={tuple(value.shape)}, {name}.dtype={value.dtype}")
+    number = float(value.reshape(()))
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{name}={number} must be finite and > 0")
 
 
 def check_tensor(name: str, x, ndim: int) -> None:
@@ -56,10 +85,7 @@ def check_fp8_scales(cache_dtype: torch.dtype, k_scale, v_scale) -> None:
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
             if s is None:
                 raise ValueError(f"{name} is required for a float8_e4m3fn cache")
-            if isinstance(s, bool) or not isinstance(s, (int, float)):
-                raise ValueError(f"{name} must be a python float, got {type(s).__name__}")
-            if not (math.isfinite(s) and s > 0):
-                raise ValueError(f"{name}={s} must be finite and > 0")
+            check_fp8_scale(name, s)
     elif k_scale is not None or v_scale is not None:
         raise ValueError(
             f"k_scale / v_scale apply to float8_e4m3fn caches only, got a {cache_dtype} cache with"
@@ -86,6 +112,7 @@ def check_write_inputs(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale) -
                 f" {(num_tokens, kvh, d)} (slot_mapping.shape={tuple(slot_mapping.shape)},"
                 f" k_cache.shape={tuple(k_cache.shape)})")
     check_fp8_scales(k_cache.dtype, k_scale, v_scale)
+    check_scale_device(k_scale, v_scale, k_cache.device)
     for name, x in (("k", k), ("v", v)):
         if k_cache.dtype == FP8_DTYPE:
             if x.dtype not in QUERY_DTYPES:
@@ -119,10 +146,7 @@ def check_write_inputs(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale) -
 def check_attention_options(num_heads: int, logits_soft_cap, alibi_slopes, sliding_window,
                             sinks, device: torch.device) -> None:
     if logits_soft_cap is not None:
-        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)):
-            raise ValueError(f"logits_soft_cap must be a python float, got {type(logits_soft_cap).__name__}")
-        if not (math.isfinite(logits_soft_cap) and logits_soft_cap > 0):
-            raise ValueError(f"logits_soft_cap={logits_soft_cap} must be finite and > 0")
+        check_positive_float("logits_soft_cap", logits_soft_cap)
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
             raise ValueError(f"sliding_window must be a python int, got {type(sliding_window).__name__}")
@@ -144,16 +168,27 @@ def check_attention_options(num_heads: int, logits_soft_cap, alibi_slopes, slidi
 def check_scale(scale) -> None:
     if scale is None:
         return
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if not _is_python_number(scale):
         raise ValueError(f"scale must be a python float or None, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale={scale} must be finite")
+    if not (math.isfinite(scale) and abs(scale) <= FP32_MAX):
+        raise ValueError(f"scale={scale} must be finite (in float32)")
 
 
-def check_query(q, head_dim: int, num_kv_heads: int) -> None:
+def check_scale_device(k_scale, v_scale, device: torch.device) -> None:
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(s, torch.Tensor) and s.device != device:
+            raise ValueError(f"{name} is on {s.device}, the cache is on {device}")
+
+
+def check_query(q, head_dim: int, num_kv_heads: int, kv_dtype: torch.dtype) -> None:
+    """q's rank, dtype (that of the K/V, or any query dtype over an fp8 cache) and head counts."""
     check_tensor("q", q, 3)
     if q.dtype not in QUERY_DTYPES:
         raise ValueError(f"q.dtype={q.dtype} must be one of {QUERY_DTYPES}")
+    if kv_dtype != FP8_DTYPE and q.dtype != kv_dtype:
+        raise ValueError(
+            f"q.dtype={q.dtype} must equal k_cache.dtype={kv_dtype}: mixed query / cache float"
+            " dtypes are refused (only a float8_e4m3fn cache takes a float32, bfloat16 or float16 q)")
     _, num_heads, d = q.shape
     if d != head_dim:
         raise ValueError(f"head_dim mismatch: q.shape={tuple(q.shape)} but the K/V head_dim is {head_dim}")
@@ -179,7 +214,7 @@ def check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, scale, 
                         options: dict) -> None:
     check_caches(k_cache, v_cache)
     num_blocks, block_size, kvh, d = k_cache.shape
-    check_query(q, d, kvh)
+    check_query(q, d, kvh, k_cache.dtype)
     check_tensor("block_tables", block_tables, 2)
     check_index_dtype("block_tables", block_tables)
     check_tensor("context_lens", context_lens, 1)
@@ -192,6 +227,7 @@ def check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, scale, 
     check_lengths(context_lens, batch)
     check_scale(scale)
     check_fp8_scales(k_cache.dtype, k_scale, v_scale)
+    check_scale_device(k_scale, v_scale, k_cache.device)
     check_attention_options(q.shape[1], device=q.device, **options)
 
     capacity = block_tables.shape[1] * block_size
@@ -220,7 +256,7 @@ def check_dense_inputs(q, k, v, context_lens, scale, options: dict) -> None:
     if k.dtype != v.dtype or k.dtype not in QUERY_DTYPES:
         raise ValueError(f"k.dtype={k.dtype} and v.dtype={v.dtype} must be one of {QUERY_DTYPES} and equal")
     batch, max_len, kvh, d = k.shape
-    check_query(q, d, kvh)
+    check_query(q, d, kvh, k.dtype)
     check_tensor("context_lens", context_lens, 1)
     check_same_device(q=q, k=k, v=v, context_lens=context_lens)
     if q.shape[0] != batch:

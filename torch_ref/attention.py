@@ -69,6 +69,14 @@ def attend(
     return out, m + torch.log(denom)
 
 
+def _multiplier(scale) -> float | torch.Tensor:
+    """An fp8 scale as the multiplier of ``stored.float()``: 1 without one, a 0-d tensor for a
+    tensor (the same fp32 product as a python float rounded to fp32)."""
+    if scale is None:
+        return 1.0
+    return scale.reshape(()) if isinstance(scale, torch.Tensor) else scale
+
+
 def _finish(outs: list, lses: list, q: torch.Tensor, return_lse: bool):
     """Stack the per-sequence results, cast the output once to ``q.dtype``."""
     batch, num_heads, head_dim = q.shape
@@ -92,8 +100,8 @@ def paged_decode_attention(
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
     return_lse: bool = False,
 ):
     """Attention of each sequence's single query over its paged K/V.
@@ -127,7 +135,8 @@ def paged_decode_attention(
       alibi_slopes: ``f32[num_heads]`` or None.
       sliding_window: ``W >= 1`` or None.
       sinks: ``f32[num_heads]`` or None, one extra logit per head with no value row.
-      k_scale, v_scale: dequantization scales of an fp8 cache (``stored.float() * scale``).
+      k_scale, v_scale: dequantization scales of an fp8 cache (``stored.float() * scale``): python
+        floats or float32 tensors of shape () or (1,), finite and > 0.
       return_lse: also return the natural-log log-sum-exp of the final logits.
 
     Returns:
@@ -135,7 +144,8 @@ def paged_decode_attention(
       ``(out, lse)``, ``lse`` fp32 ``[batch, num_heads]``, ``-inf`` on zero-length rows.
 
     Raises:
-      ValueError: wrong ranks, dtypes or devices; ``num_heads % num_kv_heads != 0``; a head_dim or
+      ValueError: wrong ranks, dtypes or devices; ``q.dtype`` other than the cache's (except over
+        an fp8 cache); ``num_heads % num_kv_heads != 0``; a head_dim or
         batch mismatch; a negative length or one beyond the table's capacity; a block id outside
         ``[0, num_blocks)`` in the valid part of a table; bad extension options.
     """
@@ -147,8 +157,8 @@ def paged_decode_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    k_mult = 1.0 if k_scale is None else k_scale
-    v_mult = 1.0 if v_scale is None else v_scale
+    k_mult = _multiplier(k_scale)
+    v_mult = _multiplier(v_scale)
     outs, lses = [], []
     for b in range(batch):
         n = int(context_lens[b])

@@ -9,13 +9,15 @@ from torch_ref import _checks
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
 
-def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     """`clamp(x / scale, -448, 448)` in fp32, cast to float8_e4m3fn (round to nearest even).
 
-    The division is one IEEE fp32 division per element, so every framework that divides in fp32
-    and rounds to nearest even stores the same bits. NaN stays NaN.
+    ``scale`` is a python float (rounded to fp32) or a float32 tensor of shape () or (1,). The
+    division is one IEEE fp32 division per element, so every framework that divides in fp32 and
+    rounds to nearest even stores the same bits. NaN stays NaN.
     """
-    scaled = x.to(torch.float32) / torch.tensor(scale, dtype=torch.float32, device=x.device)
+    divisor = torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(())
+    scaled = x.to(torch.float32) / divisor
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
@@ -26,8 +28,8 @@ def write_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> None:
     """Store each new token's K and V at its physical slot, in place.
 
@@ -54,7 +56,8 @@ def write_kv(
       k: ``[num_tokens, num_kv_heads, head_dim]``, the cache dtype (any float dtype for fp8 caches).
       v: same shape as ``k``.
       slot_mapping: ``i32[num_tokens]`` or ``i64[num_tokens]``, the slot of each token or ``-1``.
-      k_scale, v_scale: per-tensor scales, required for fp8 caches and refused otherwise.
+      k_scale, v_scale: per-tensor scales, python floats or float32 tensors of shape () or (1,)
+        (finite, > 0), required for fp8 caches and refused otherwise.
 
     Raises:
       ValueError: wrong ranks, shapes, dtypes or devices; a slot ``< -1`` or

@@ -1,8 +1,10 @@
 """Writing new tokens' K/V into the paged cache: a masked scatter, the public function.
 
 Two implementations of one function, bit-identical to `torch_ref.write_kv`: ``impl="xla"``
-(``xla.py``, a scatter) and ``impl="pallas"`` (``pallas_triton.py``, a row-copy kernel). Under
-``jax.jit(write_kv, donate_argnums=(0, 1))`` both update the donated caches in place.
+(``xla.py``, a scatter) and ``impl="pallas"`` (``pallas_triton.py``, a row-copy kernel). `write_kv` is a plain function that
+validates, then calls one jitted program (``_write_kv_jit``); under
+``jax.jit(write_kv, donate_argnums=(0, 1), static_argnames=("impl", "interpret"))`` both impls
+update the donated caches in place.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import jax.numpy as jnp
 from pallas_paged import _validation
 from pallas_paged._platform import (kernel_addresses_overflow, resolve_interpret,
                                     without_triton_deprecation)
-from pallas_paged.cache_write.fp8 import quantize_fp8
+from pallas_paged.cache_write.fp8 import quantize_fp8, scale_operand
 from pallas_paged.cache_write.pallas_triton import write_pallas
 from pallas_paged.cache_write.xla import write_xla
 
@@ -23,7 +25,6 @@ WRITE_IMPLS = ("xla", "pallas")
 
 
 @without_triton_deprecation
-@functools.partial(jax.jit, static_argnames=("k_scale", "v_scale", "impl", "interpret"))
 def write_kv(
     k_cache: jax.Array,
     v_cache: jax.Array,
@@ -31,8 +32,8 @@ def write_kv(
     v: jax.Array,
     slot_mapping: jax.Array,
     *,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
     impl: str | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -42,14 +43,19 @@ def write_kv(
     A slot of ``-1`` marks padding and writes nothing, anywhere; every other entry keeps its exact
     bits. fp8 caches store ``clamp(x / scale, -448, 448)`` rounded to nearest even.
 
-    Functional, as JAX is: the caches are returned. Under
-    ``jax.jit(write_kv, donate_argnums=(0, 1))`` the donated buffers are updated in place.
+    Functional, as JAX is: the caches are returned. A plain function over one jitted program
+    (keyed on the shapes, dtypes, ``impl`` and ``interpret``; the scales are operands of it), so
+    ``jax.jit(write_kv, donate_argnums=(0, 1), static_argnames=("impl", "interpret"))`` works with
+    every keyword and updates the donated buffers in place.
 
     Args:
       k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
       k, v: ``[num_tokens, num_kv_heads, head_dim]``, the cache dtype (any float dtype for fp8).
-      slot_mapping: ``i32[num_tokens]`` (int64 accepted), the slot of each token or ``-1``.
-      k_scale, v_scale: python floats, required for float8_e4m3fn caches and refused otherwise.
+      slot_mapping: ``i32[num_tokens]`` (int64 accepted, never wrapped), the slot of each token or
+        ``-1``.
+      k_scale, v_scale: python floats or ``f32[]`` arrays (shape ``(1,)`` accepted; traced under
+        jit: one compiled program for every value), required for float8_e4m3fn caches and refused
+        otherwise.
       impl: ``"xla"`` (a scatter) or ``"pallas"`` (a row-copy kernel); None picks ``"pallas"`` on a
         GPU and ``"xla"`` elsewhere (and for fp8 caches of 2**31 to 2**32 elements, which the
         kernel cannot address).
@@ -59,34 +65,48 @@ def write_kv(
       ``(k_cache, v_cache)`` with the new tokens written.
 
     Raises:
-      ValueError: wrong ranks, shapes or dtypes, bad fp8 scales, or an unknown ``impl`` (trace time).
-        Slot values are not checked here (they cannot raise under jit): out-of-range slots are
-        dropped, and of two tokens sharing a slot one wins, unspecified which. Call
-        `validate_write_inputs` first to reject them eagerly.
+      ValueError: wrong ranks, shapes or dtypes, bad fp8 scales, or an unknown ``impl`` (before
+        anything runs; under jit, at trace time). Slot values are not checked here (they cannot
+        raise under jit): out-of-range slots, int64 ones outside int32 included, are dropped, and of
+        two tokens sharing a slot one wins, unspecified which. Call `validate_write_inputs` first to
+        reject them eagerly.
     """
     _validation.static_validate_write(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
+    if interpret is not None and not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be a python bool or None (static under jax.jit), got {interpret!r}")
     too_big = kernel_addresses_overflow(k_cache.shape, k_cache.dtype)
     if impl is None:
         impl = "xla" if resolve_interpret(None) or too_big else "pallas"
-    if impl not in WRITE_IMPLS:
-        raise ValueError(f"impl={impl!r} must be one of {WRITE_IMPLS}")
+    if not isinstance(impl, str) or impl not in WRITE_IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {WRITE_IMPLS} (static under jax.jit)")
     if impl == "pallas" and too_big:
         raise ValueError(
             f"impl='pallas' cannot address a {jnp.dtype(k_cache.dtype).name} cache of 2**31 to"
             f" 2**32 elements ({k_cache.shape=}): use impl='xla' (the default picks it)")
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    slot_mapping = _validation.host_clamp_index(slot_mapping, -1, num_slots)
+    return _write_kv_jit(k_cache, v_cache, k, v, slot_mapping, scale_operand(k_scale),
+                         scale_operand(v_scale), impl=impl,
+                         interpret=resolve_interpret(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "interpret"))
+def _write_kv_jit(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, *, impl: str,
+                  interpret: bool):
+    """`write_kv` after validation: ``k_scale`` / ``v_scale`` are ``f32[]`` or None."""
     num_blocks, block_size, kvh, d = k_cache.shape
+    num_slots = num_blocks * block_size
     if k_cache.dtype == jnp.float8_e4m3fn:
         k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
-    slots = slot_mapping.astype(jnp.int32)
+    slots = _validation.clamp_index(slot_mapping, -1, num_slots)
     num_tokens = slots.shape[0]
-    flat_shape = (num_blocks * block_size, kvh * d)
-    k_flat, v_flat = k_cache.reshape(flat_shape), v_cache.reshape(flat_shape)
-    k_rows, v_rows = k.reshape(num_tokens, kvh * d), v.reshape(num_tokens, kvh * d)
     if num_tokens == 0:
         return k_cache, v_cache
+    flat_shape = (num_slots, kvh * d)
+    k_flat, v_flat = k_cache.reshape(flat_shape), v_cache.reshape(flat_shape)
+    k_rows, v_rows = k.reshape(num_tokens, kvh * d), v.reshape(num_tokens, kvh * d)
     if impl == "xla":
         k_flat, v_flat = write_xla(k_flat, v_flat, k_rows, v_rows, slots)
     else:
-        k_flat, v_flat = write_pallas(k_flat, v_flat, k_rows, v_rows, slots,
-                                       interpret=resolve_interpret(interpret))
+        k_flat, v_flat = write_pallas(k_flat, v_flat, k_rows, v_rows, slots, interpret=interpret)
     return k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape)

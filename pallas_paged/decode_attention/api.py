@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from pallas_paged import _validation
 from pallas_paged._platform import (device_kind, kernel_addresses_overflow, resolve_interpret,
                                     sm_count, without_triton_deprecation)
+from pallas_paged.cache_write.fp8 import scale_operand
 from pallas_paged.decode_attention import configs
 from pallas_paged.decode_attention.configs import DecodeConfig, DecodeShape
 from pallas_paged.decode_attention.pallas_triton import decode_pallas
@@ -34,10 +35,6 @@ def decode_shape(q, k_cache, block_tables) -> DecodeShape:
 
 
 @without_triton_deprecation
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "logits_soft_cap", "sliding_window", "k_scale", "v_scale",
-                     "return_lse", "impl", "interpret", "config"))
 def decode(
     q: jax.Array,
     k_cache: jax.Array,
@@ -50,8 +47,8 @@ def decode(
     alibi_slopes: jax.Array | None = None,
     sliding_window: int | None = None,
     sinks: jax.Array | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
     return_lse: bool = False,
     impl: str = "pallas",
     interpret: bool | None = None,
@@ -66,19 +63,29 @@ def decode(
     output is cast once to ``q.dtype``; ``n == 0`` gives zeros. Optional, in this order:
     ``s * scale`` -> soft-cap -> ALiBi -> sliding window -> softmax with sink.
 
+    A plain function that validates, then calls one jitted program keyed on the shapes, dtypes
+    and static options; ``k_scale`` / ``v_scale``, ``alibi_slopes`` and ``sinks`` are its operands.
+    Under a caller's ``jax.jit``, list the python-valued options it passes in ``static_argnames``
+    (``scale``, ``logits_soft_cap``, ``sliding_window``, ``return_lse``, ``impl``, ``interpret``,
+    ``config``); the scales may be traced.
+
     Args:
-      q: ``[batch, num_heads, head_dim]``, fp32 / bf16 / fp16.
+      q: ``[batch, num_heads, head_dim]``, the cache's dtype (fp32 / bf16 / fp16); any of the
+        three for a float8_e4m3fn cache. Mixed float dtypes are refused.
       k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, fp32 / bf16 / fp16 /
         float8_e4m3fn (then with ``k_scale`` / ``v_scale``).
-      block_tables: ``i32[batch, max_blocks]``.
-      context_lens: ``i32[batch]``.
+      block_tables: ``i32[batch, max_blocks]`` (int64 accepted, never wrapped); ``max_blocks``
+        may be 0 (every length then counts as 0).
+      context_lens: ``i32[batch]`` (int64 accepted, never wrapped).
       scale: softmax scale, static; None means ``1 / sqrt(head_dim)``.
       logits_soft_cap: static ``cap > 0``: ``s = cap * tanh(s / cap)``.
       alibi_slopes: ``f32[num_heads]``: ``s += slope[h] * (p - (n - 1))``.
       sliding_window: static ``W >= 1``: only the newest ``min(W, n)`` tokens; the kernel does not
-        read blocks wholly outside the window.
+        read blocks wholly outside the window. A window at least the table's capacity is no window.
       sinks: ``f32[num_heads]``, one extra logit per head in the softmax denominator.
-      k_scale, v_scale: static per-tensor dequantization scales of an fp8 cache.
+      k_scale, v_scale: per-tensor dequantization scales of an fp8 cache: python floats or
+        ``f32[]`` arrays (shape ``(1,)`` accepted), operands of the program (one compiled program
+        for every value).
       return_lse: also return ``lse f32[batch, num_heads]`` (``-inf`` for ``n == 0``).
       impl: ``"pallas"`` (the kernel) or ``"xla"`` (plain jnp, the readable reference). The kernel
         cannot address fp8 caches of 2**31 to 2**32 elements (ValueError).
@@ -90,16 +97,21 @@ def decode(
       ``out [batch, num_heads, head_dim]`` in ``q.dtype``, or ``(out, lse)`` with ``return_lse``.
 
     Raises:
-      ValueError: at trace time, for wrong ranks, shapes or dtypes, ``num_heads % num_kv_heads``,
-        bad options or an unknown ``impl``. Values are not checked (they cannot raise under jit):
-        see `validate_decode_inputs` and the module docstring of `pallas_paged._validation`.
+      ValueError: before anything runs (under jit: at trace time), for wrong ranks, shapes or
+        dtypes, ``num_heads % num_kv_heads``, bad options or an unknown ``impl``. Values are not
+        checked (they cannot raise under jit): see `validate_decode_inputs` and the module
+        docstring of `pallas_paged._validation`.
     """
     options = dict(scale=scale, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
                    sliding_window=sliding_window, sinks=sinks)
     _validation.static_validate_decode(q, k_cache, v_cache, block_tables, context_lens,
-                                    k_scale=k_scale, v_scale=v_scale, **options)
-    if impl not in DECODE_IMPLS:
-        raise ValueError(f"impl={impl!r} must be one of {DECODE_IMPLS}")
+                                       k_scale=k_scale, v_scale=v_scale, **options)
+    if not isinstance(impl, str) or impl not in DECODE_IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {DECODE_IMPLS} (static under jax.jit)")
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse must be a python bool (static under jax.jit), got {return_lse!r}")
+    if interpret is not None and not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be a python bool or None (static under jax.jit), got {interpret!r}")
     if impl == "pallas" and kernel_addresses_overflow(k_cache.shape, k_cache.dtype):
         raise ValueError(
             f"impl='pallas' cannot address a {jnp.dtype(k_cache.dtype).name} cache of 2**31 to"
@@ -107,17 +119,44 @@ def decode(
             " use impl='xla', or a cache of fewer than 2**31 or more than 2**32 elements")
     if config is not None and not isinstance(config, DecodeConfig):
         raise ValueError(f"config must be a DecodeConfig or None, got {type(config).__name__}")
-    batch, num_heads, head_dim = q.shape
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    options.update(scale=scale, k_scale=k_scale, v_scale=v_scale)
-    if batch == 0:
-        out = jnp.zeros(q.shape, q.dtype)
-        lse = jnp.zeros((0, num_heads), jnp.float32)
-    elif impl == "xla":
-        out, lse = decode_xla(q, k_cache, v_cache, block_tables, context_lens, **options)
-    else:
-        if config is None:
-            config = configs.lookup(decode_shape(q, k_cache, block_tables), device_kind(), sm_count())
-        out, lse = decode_pallas(q, k_cache, v_cache, block_tables, context_lens, config=config,
-                                  interpret=resolve_interpret(interpret), **options)
+    num_blocks, block_size = k_cache.shape[:2]
+    capacity = block_tables.shape[1] * block_size
+    if sliding_window is not None and sliding_window >= capacity:
+        sliding_window = None  # every position p in [0, n) has p > n - 1 - W: no window
+    if impl == "pallas" and config is None and q.shape[0] > 0 and capacity > 0:
+        config = configs.lookup(decode_shape(q, k_cache, block_tables), device_kind(), sm_count())
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    out, lse = _decode_jit(
+        q, k_cache, v_cache, _validation.host_clamp_index(block_tables, 0, num_blocks - 1),
+        _validation.host_clamp_index(context_lens, 0, capacity), alibi_slopes, sinks,
+        scale_operand(k_scale), scale_operand(v_scale), scale=scale,
+        logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, impl=impl,
+        interpret=resolve_interpret(interpret), config=config)
     return (out, lse) if return_lse else out
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "logits_soft_cap", "sliding_window", "impl", "interpret",
+                              "config"))
+def _decode_jit(q, k_cache, v_cache, block_tables, context_lens, alibi_slopes, sinks, k_scale,
+                v_scale, *, scale: float, logits_soft_cap, sliding_window, impl: str,
+                interpret: bool, config):
+    """`decode` after validation: ``scale`` resolved, ``k_scale`` / ``v_scale`` ``f32[]`` or None.
+
+    Returns ``(out, lse)``. int64 indices are clamped in int64 here, before they are narrowed.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_blocks, block_size = k_cache.shape[:2]
+    max_blocks = block_tables.shape[1]
+    capacity = max_blocks * block_size
+    tables = _validation.clamp_index(block_tables, 0, num_blocks - 1)
+    lens = _validation.clamp_index(context_lens, 0, capacity)
+    options = dict(scale=scale, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+                   sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    if batch == 0 or max_blocks == 0:  # no sequence, or none that can hold a token
+        return (jnp.zeros(q.shape, q.dtype),
+                jnp.full((batch, num_heads), -jnp.inf, jnp.float32))
+    if impl == "xla":
+        return decode_xla(q, k_cache, v_cache, tables, lens, **options)
+    return decode_pallas(q, k_cache, v_cache, tables, lens, config=config, interpret=interpret,
+                         **options)

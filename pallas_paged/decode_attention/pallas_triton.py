@@ -97,6 +97,7 @@ def _paged_decode_kernel(
     v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]
     alibi_ref,   # f32[num_kv_heads, group] or None
     sinks_ref,   # f32[num_kv_heads, group] or None
+    scales_ref,  # f32[2] = (k_scale, v_scale) of an fp8 cache, or None
     *out_refs,   # split:  o f32[batch, kvh, splits, group, head_dim], m, l f32[batch, kvh, splits, group]
                  # single: o [batch, kvh, group, head_dim] in q.dtype, then lse f32[batch, kvh, group]
     scale: float,
@@ -108,8 +109,6 @@ def _paged_decode_kernel(
     compute_dtype,
     soft_cap: float | None,
     window: int | None,
-    k_scale: float | None,
-    v_scale: float | None,
 ):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     _, _, group, head_dim = q_ref.shape
@@ -126,7 +125,7 @@ def _paged_decode_kernel(
     row_ok, col_ok = rows < group, cols < head_dim
     q = plgpu.load(q_ref.at[b, h, rows[:, None], cols[None, :]],
                    mask=row_ok[:, None] & col_ok[None, :], other=0)  # [Gp, Dp]
-    score_scale = scale if k_scale is None else scale * k_scale
+    score_scale = scale if scales_ref is None else scales_ref[0] * scale
     if compute_dtype == jnp.float16 and q_ref.dtype != jnp.float16:
         # bf16's range is wider than fp16's: divide q by a power of two that brings max |q| under
         # 2**15 (exact), and multiply the scores back by it.
@@ -168,8 +167,8 @@ def _paged_decode_kernel(
              jnp.full((padded_group,), -jnp.inf, jnp.float32),
              jnp.zeros((padded_group,), jnp.float32))
     acc, m, l = jax.lax.fori_loop(tile_lo, tile_hi, tile_body, carry)
-    if v_scale is not None:
-        acc = acc * v_scale
+    if scales_ref is not None:
+        acc = acc * scales_ref[1]
 
     out_mask = row_ok[:, None] & col_ok[None, :]
     if num_splits > 1:
@@ -226,7 +225,9 @@ def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, con
                   v_scale):
     """The kernel over the grid ``(batch, num_kv_heads, num_splits)``, then the split merge.
 
-    Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float).
+    Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float, lengths and
+    table ids int32; ``k_scale`` / ``v_scale`` ``f32[]`` operands or None, passed to the kernel as
+    one ``f32[2]`` array so that the compiled kernel serves every scale).
 
     Returns:
       ``(out [batch, num_heads, head_dim] in q.dtype, lse f32[batch, num_heads])``.
@@ -243,8 +244,8 @@ def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, con
     kernel = functools.partial(
         _paged_decode_kernel, scale=scale, block_size=block_size, block_k=config.block_k,
         num_splits=splits, padded_group=padded_group, padded_dim=padded_dim,
-        compute_dtype=compute_dtype, soft_cap=logits_soft_cap, window=sliding_window,
-        k_scale=k_scale, v_scale=v_scale)
+        compute_dtype=compute_dtype, soft_cap=logits_soft_cap, window=sliding_window)
+    scales = None if k_scale is None else jnp.stack([k_scale, v_scale]).astype(jnp.float32)
     if splits > 1:
         out_shape = (jax.ShapeDtypeStruct((batch, kvh, splits, group, head_dim), jnp.float32),
                      jax.ShapeDtypeStruct((batch, kvh, splits, group), jnp.float32),
@@ -265,7 +266,7 @@ def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, con
     )(lens, block_tables.astype(jnp.int32), q.reshape(batch, kvh, group, head_dim),
       k_cache.reshape(num_blocks * block_size, kvh, head_dim),
       v_cache.reshape(num_blocks * block_size, kvh, head_dim),
-      per_head(alibi_slopes), per_head(sinks))
+      per_head(alibi_slopes), per_head(sinks), scales)
     if splits > 1:
         n = jnp.clip(lens, 0, block_tables.shape[1] * block_size)
         out, lse = _merge_splits(*outs, n, per_head(sinks))

@@ -60,7 +60,7 @@ def decode_xla(q, k_cache, v_cache, block_tables, context_lens, *, scale: float,
     k = gather_sequences(k_cache, block_tables, context_lens).astype(jnp.float32)
     v = gather_sequences(v_cache, block_tables, context_lens).astype(jnp.float32)
     if k_scale is not None:
-        k, v = k * jnp.float32(k_scale), v * jnp.float32(v_scale)
+        k, v = k * jnp.asarray(k_scale, jnp.float32), v * jnp.asarray(v_scale, jnp.float32)
     k = jnp.where(rows, k, 0.0)  # [B, P, KVH, D]
     v = jnp.where(rows, v, 0.0)  # [B, P, KVH, D]
     qg = q.astype(jnp.float32).reshape(batch, kvh, group, head_dim)  # head h -> kv head h // group
