@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 
-# Before JAX is imported anywhere: torch needs GPU memory too (parity/__init__.py does the same).
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# `python -m parity` runs parity/__init__.py first, which keeps JAX from preallocating the GPU.
 
 DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
                  "f16": "float16", "half": "float16", "fp8": "float8_e4m3fn",
