@@ -413,9 +413,9 @@ def _judge_decode(name: str, impl: str, got, truth: np.ndarray, tol: Tolerance,
     # 1. FlashAttention's rule; a bound that is not finite judges nothing and fails.
     if not tol.finite:
         problems.append(
-            f"the tolerance is not finite (tolerance {tol.value:.3g}, bias bound {tol.bias:.3g}:"
-            f" the naive {tol.dtype} baseline or the truth overflowed, max |baseline - truth| ="
-            f" {tol.baseline_err:.3g}), so it cannot judge this output")
+            f"the tolerance is not finite (tolerance {tol.value:.3g}, bias bound"
+            f" {tol.bias_bound:.3g}: the naive {tol.dtype} baseline or the truth overflowed,"
+            f" max |baseline - truth| = {tol.baseline_err:.3g}), so it cannot judge this output")
     over = err > tol.value
     mismatches = int(over.sum())
     if mismatches:
@@ -457,16 +457,16 @@ def _judge_decode(name: str, impl: str, got, truth: np.ndarray, tol: Tolerance,
     signed = got64[rows] - truth[rows]
     with np.errstate(invalid="ignore"):
         bias = float(signed.mean()) if signed.size else 0.0
-    if not abs(bias) <= tol.bias and not bad.any():  # with NaN / inf the mean says nothing more
+    if not abs(bias) <= tol.bias_bound and not bad.any():  # NaN / inf: reported above
         problems.append(
             f"systematic bias: mean(out - truth) = {bias:.3g} over {signed.size} elements, beyond"
-            f" {tol.bias:.3g} = {tol.bias_sigmas:g} x sigma {tol.bias_sigma:.3g} (rounding to"
+            f" {tol.bias_bound:.3g} = {tol.bias_sigmas:g} x sigma {tol.bias_sigma:.3g} (rounding to"
             f" {tol.dtype}) + floor {tol.bias_floor:.3g} (fp32 accumulation)")
 
     rel = max_err / tol.scale if tol.scale else (0.0 if max_err == 0 else math.inf)
     return Check(name, impl, not problems, max_err, rel, tol.value, mismatches, vs_torch,
                  ulps_vs_torch=ulps, ulp_bound=tol.ulp_bound if ulps is not None else None,
-                 bias=bias, bias_bound=tol.bias, detail="; ".join(problems))
+                 bias=bias, bias_bound=tol.bias_bound, detail="; ".join(problems))
 
 
 def judge(outputs: dict) -> CaseResult:

@@ -65,7 +65,7 @@ bias of one ulp on every element hides inside it. Two more bounds close that roo
       |mean(out - truth)|  <=  BIAS_SIGMAS * sigma + BIAS_FLOOR_ULPS * mean(ulp_fp32(magnitude))
 
   with ``sigma`` the standard deviation that rounding each element once to its dtype gives the
-  mean (`bias_bound` derives it). A one-ulp bias of every bf16 output is 100 sigma and more.
+  mean (`bias_statistics` derives it). A one-ulp bias of every bf16 output is 100 sigma and more.
 
 A bound that is not finite (a baseline that overflowed) judges nothing: the check fails.
 """
@@ -89,7 +89,7 @@ __all__ = [
     "ULP_BOUND",
     "Tolerance",
     "abs_errors",
-    "bias_bound",
+    "bias_statistics",
     "decode_tolerance",
     "magnitudes",
     "max_abs_error",
@@ -157,15 +157,15 @@ class Tolerance:
     @property
     def finite(self) -> bool:
         """False when the baseline (or the truth) overflowed: such a bound judges nothing."""
-        return math.isfinite(self.value) and math.isfinite(self.bias)
+        return math.isfinite(self.value) and math.isfinite(self.bias_bound)
 
     @property
-    def bias(self) -> float:
+    def bias_bound(self) -> float:
         """The bound on ``|mean(out - truth)|`` over the non-empty rows."""
         return self.bias_sigmas * self.bias_sigma + self.bias_floor
 
     def to_dict(self) -> dict:
-        return dict(dataclasses.asdict(self), value=self.value, bias=self.bias)
+        return dict(dataclasses.asdict(self), value=self.value, bias_bound=self.bias_bound)
 
 
 def abs_errors(out: np.ndarray, truth: np.ndarray) -> np.ndarray:
@@ -232,7 +232,7 @@ def ulps_between(got: np.ndarray, ref: np.ndarray, magnitude: np.ndarray,
     return abs_errors(got, ref) / ulp(scale, dtype)
 
 
-def bias_bound(truth: np.ndarray, magnitude: np.ndarray, dtype: str) -> tuple[float, float]:
+def bias_statistics(truth: np.ndarray, magnitude: np.ndarray, dtype: str) -> tuple[float, float]:
     """``(sigma, floor)`` of the bias test: ``|mean(out - truth)| <= BIAS_SIGMAS * sigma + floor``.
 
     A correct output element is ``round(y)``, the fp32 result ``y = truth + a`` rounded once to
@@ -243,7 +243,7 @@ def bias_bound(truth: np.ndarray, magnitude: np.ndarray, dtype: str) -> tuple[fl
     odds of about 2e-9. The fp32 accumulation error ``a`` is no rounding to ``dtype`` and may be
     correlated (a denominator error scales a whole row), so its mean gets a floor instead:
     `BIAS_FLOOR_ULPS` fp32 ulps of the elements' magnitude (`magnitudes`), on average. Every bf16
-    output one ulp high moves the mean by ``mean(ulp_i)``: about ``sqrt(12 N)`` sigma, 190 sigma
+    output one ulp high moves the mean by ``mean(ulp_i)``: up to ``sqrt(12 N)`` sigma, 190 sigma
     for N = 3072 (6 rows of 8 heads of 64).
 
     Args:
@@ -272,7 +272,7 @@ def with_statistics(tol: Tolerance, truth: np.ndarray, magnitude: np.ndarray,
       rows: ``bool[B]``, the non-empty rows (zero-length rows are judged as exact zeros instead).
     """
     dtype = "float32" if tol.output == "lse" else tol.dtype
-    sigma, floor = bias_bound(truth[rows], magnitude[rows], dtype)
+    sigma, floor = bias_statistics(truth[rows], magnitude[rows], dtype)
     key = "lse" if tol.output == "lse" else tol.dtype
     return dataclasses.replace(tol, ulp_bound=ULP_BOUND[key], bias_sigma=sigma, bias_floor=floor)
 

@@ -321,19 +321,19 @@ def test_ulps_between_counts_at_the_larger_of_the_value_and_its_magnitude():
 
 def test_bias_bound_is_what_rounding_to_the_dtype_allows():
     n = 4096
-    sigma, floor = tolerance.bias_bound(np.ones(n), np.ones(n), "bfloat16")
+    sigma, floor = tolerance.bias_statistics(np.ones(n), np.ones(n), "bfloat16")
     assert sigma == pytest.approx(2.0**-7 / math.sqrt(12 * n))
     assert floor == pytest.approx(tolerance.BIAS_FLOOR_ULPS * 2.0**-23)
     # Rounded to nearest even, random values stay inside the bound; one ulp up does not.
     truth = np.random.default_rng(3).standard_normal(n)
     rounded = truth.astype(ml_dtypes.bfloat16)
-    sigma, floor = tolerance.bias_bound(truth, np.abs(truth), "bfloat16")
+    sigma, floor = tolerance.bias_statistics(truth, np.abs(truth), "bfloat16")
     bound = tolerance.BIAS_SIGMAS * sigma + floor
     assert abs((rounded.astype(np.float64) - truth).mean()) <= bound / 3
     up = np.where(rounded.astype(np.float32) > 0, rounded.view(np.uint16) + 1,
                   rounded.view(np.uint16) - 1).astype(np.uint16).view(ml_dtypes.bfloat16)
     assert (up.astype(np.float64) - truth).mean() > 10 * bound
-    assert tolerance.bias_bound(np.zeros(0), np.zeros(0), "float16") == (0.0, 0.0)
+    assert tolerance.bias_statistics(np.zeros(0), np.zeros(0), "float16") == (0.0, 0.0)
 
 
 def test_a_tolerance_from_an_overflowing_baseline_is_not_finite():
