@@ -1,9 +1,12 @@
 """The parity harness itself: its inputs, conversions, tolerances, CLI, and that it catches bugs.
 
-The last group is the one that matters most: a deliberately broken JAX implementation (GQA heads
-mapped with ``repeat`` instead of ``repeat_interleave``; a write that lets slot -1 wrap to the last
-slot) must make the sweep fail on exactly the outputs that bug touches, and the report must name the
-case and the output.
+The rules of the judge are each shown to fail what they should (an all-NaN output over a baseline
+that overflowed, one non-finite element, an element a few ulps too far from torch_ref inside
+FlashAttention's bound, a small shift of every element). The last group: a deliberately broken JAX
+implementation (GQA heads mapped with ``repeat`` instead of ``repeat_interleave``; a write that
+lets slot -1 wrap to the last slot) must make the sweep fail on exactly the outputs that bug
+touches, and the report must name the case and the output; tests/test_mutations.py plants many
+more through the public functions.
 """
 
 from __future__ import annotations
