@@ -7,9 +7,19 @@ The judgements:
 - ``k_cache`` / ``v_cache`` (the caches after the write): bit-exact against the numpy expectation
   (`parity.cases.apply_write`), torch_ref included, so "every row passes" means every
   implementation stores the same bits as the spec and as each other;
-- ``out`` (and ``lse`` with ``return_lse``): within `parity.tolerance`'s bound of the float64 truth,
-  torch_ref included; the largest difference from torch_ref's own output is recorded beside it.
-  Zero-length rows must be exactly 0 (``lse == -inf``), and dtypes and shapes must be right.
+- ``out`` (and ``lse`` with ``return_lse``), each implementation torch_ref included, by four rules
+  (`parity.tolerance` states and derives them):
+
+  1. FlashAttention's: ``max |out - truth| <= 2 * max |baseline - truth| + atol`` against the
+     float64 truth;
+  2. finite: the tolerance is finite, every element of a non-empty row is finite, and zero-length
+     rows are exactly 0 (``lse == -inf``, the only non-finite values SPEC.md defines);
+  3. the JAX impls only, elementwise against torch_ref's own output:
+     ``|impl - torch_ref| <= k * ulp(max(|torch_ref|, magnitude))`` in the output dtype;
+  4. no systematic bias: ``|mean(out - truth)|`` over the non-empty rows within what rounding
+     each element to the output dtype allows (``6 sigma`` plus an fp32 accumulation floor).
+
+  Dtypes and shapes must be right.
 
 An implementation that raises is a failed check carrying the exception, not a crashed sweep.
 
@@ -62,6 +72,11 @@ class Check:
       tolerance: the bound on ``max_abs_err``; 0 for the bit-exact writes.
       mismatches: elements that differ in their bits (writes) or exceed the tolerance (decode).
       vs_torch: ``max |got - torch_ref|`` for decode outputs of the JAX impls, else None.
+      ulps_vs_torch: the largest ``|got - torch_ref|`` in ulps of the output dtype at the
+        element's magnitude (`parity.tolerance.ulps_between`), JAX decode outputs only.
+      ulp_bound: the bound on ``ulps_vs_torch``.
+      bias: ``mean(got - truth)`` over the non-empty rows (decode outputs).
+      bias_bound: the bound on ``|bias|``.
       detail: what went wrong, in words (first differing element, exception, bad dtype...).
     """
 
@@ -73,6 +88,10 @@ class Check:
     tolerance: float
     mismatches: int = 0
     vs_torch: float | None = None
+    ulps_vs_torch: float | None = None
+    ulp_bound: float | None = None
+    bias: float | None = None
+    bias_bound: float | None = None
     detail: str = ""
 
     @property
@@ -81,15 +100,47 @@ class Check:
 
     @property
     def ratio(self) -> float:
-        """``max_abs_err / tolerance``: <= 1 passes; 0 / 0 is 0 and x / 0 is inf."""
+        """``max_abs_err / tolerance`` (FlashAttention's rule): <= 1 passes; 0 / 0 is 0, x / 0 and
+        anything over a non-finite tolerance are inf."""
+        if not math.isfinite(self.tolerance):
+            return math.inf
         if self.max_abs_err == 0:
             return 0.0 if self.passed else math.inf
         if self.tolerance == 0:
             return math.inf
         return self.max_abs_err / self.tolerance
 
+    @property
+    def ulp_ratio(self) -> float | None:
+        """``ulps_vs_torch / ulp_bound``, None where there is no comparison with torch_ref."""
+        if self.ulps_vs_torch is None or self.ulp_bound is None:
+            return None
+        return _quotient(self.ulps_vs_torch, self.ulp_bound)
+
+    @property
+    def bias_ratio(self) -> float | None:
+        """``|bias| / bias_bound``, None for the writes."""
+        if self.bias is None or self.bias_bound is None:
+            return None
+        return _quotient(abs(self.bias), self.bias_bound)
+
+    @property
+    def worst_ratio(self) -> float:
+        """The largest of `ratio`, `ulp_ratio` and `bias_ratio`: every rule passes at <= 1."""
+        return max(r for r in (self.ratio, self.ulp_ratio, self.bias_ratio) if r is not None)
+
     def to_dict(self) -> dict:
-        return dict(dataclasses.asdict(self), label=self.label, ratio=self.ratio)
+        return dict(dataclasses.asdict(self), label=self.label, ratio=self.ratio,
+                    ulp_ratio=self.ulp_ratio, bias_ratio=self.bias_ratio)
+
+
+def _quotient(x: float, bound: float) -> float:
+    """``x / bound`` with 0 / 0 = 0 and NaN, x / 0 or anything over a non-finite bound = inf."""
+    if math.isnan(x) or not math.isfinite(bound):
+        return math.inf
+    if x == 0:
+        return 0.0
+    return x / bound if bound > 0 else math.inf
 
 
 @dataclasses.dataclass
@@ -171,7 +222,6 @@ def _describe(exc: BaseException) -> str:
 def _run_torch(case: Case, inputs: dict[str, np.ndarray], device: str, timings: dict,
                results: dict) -> None:
     """torch_ref's write (in place) then decode, on ``device``; numpy arrays into ``results``."""
-    convert.configure_torch()
     t = {name: convert.to_torch(x, device) for name, x in inputs.items()}
     sync = lambda _: convert.torch_sync(device)  # noqa: E731
     scales = _scales(case, lambda s: convert.to_torch(np.asarray(s, np.float32), device))
@@ -257,7 +307,9 @@ def case_outputs(case: Case, device: str = "cpu", *, impls: Sequence[str] = IMPL
     Returns:
       A dict with ``"case"``, ``"device"``, ``"inputs"`` (`make_inputs`), ``"expected"`` (the
       written caches, `apply_write`), ``"truth"`` / ``"baseline"`` (float64 decode outputs, see
-      `parity.tolerance`), ``"tolerances"``, ``"timings"``, ``"errors"`` (impl -> exception text)
+      `parity.tolerance`), ``"magnitudes"`` (float64, what each element's ulps are counted at,
+      `parity.tolerance.magnitudes`), ``"tolerances"``, ``"timings"``, ``"errors"`` (impl ->
+      exception text)
       and one dict per implementation (``"torch"``, ``"xla"``, ``"pallas"``) holding whichever of
       ``"k_cache"``, ``"v_cache"``, ``"out"``, ``"lse"`` it produced, as numpy arrays.
     """
@@ -279,18 +331,27 @@ def case_outputs(case: Case, device: str = "cpu", *, impls: Sequence[str] = IMPL
     for impl in impls:
         runners[impl] = lambda results, impl=impl: _run_jax(case, inputs, device, impl, interpret,
                                                             timings, results)
-    for name, runner in runners.items():
-        outputs[name] = {}
-        try:
-            runner(outputs[name])
-        except Exception as exc:  # an implementation that raises fails its checks
-            errors[name] = _describe(exc)
+    with convert.ieee_fp32_matmuls():  # torch_ref and the references: no TF32, flags restored
+        for name, runner in runners.items():
+            outputs[name] = {}
+            try:
+                runner(outputs[name])
+            except Exception as exc:  # an implementation that raises fails its checks
+                errors[name] = _describe(exc)
 
-    start = time.perf_counter()
-    truth, baseline, tolerances = tolerance.reference_outputs(case, inputs, k_expected, v_expected,
-                                                              device)
-    timings["reference"] = time.perf_counter() - start
-    outputs.update(truth=truth, baseline=baseline, tolerances=tolerances, timings=timings,
+        start = time.perf_counter()
+        truth, baseline, tolerances = tolerance.reference_outputs(case, inputs, k_expected,
+                                                                  v_expected, device)
+        lse = truth.get("lse")
+        if lse is None:
+            lse = np.zeros(inputs["q"].shape[:2])
+        mags = tolerance.magnitudes(case, inputs, k_expected, v_expected, lse, device)
+        timings["reference"] = time.perf_counter() - start
+    rows = inputs["context_lens"] > 0
+    tolerances = {name: tolerance.with_statistics(tol, truth[name], mags[name], rows)
+                  for name, tol in tolerances.items()}
+    outputs.update(truth=truth, baseline=baseline, tolerances=tolerances,
+                   magnitudes={name: mags[name] for name in truth}, timings=timings,
                    errors=errors, impls=("torch", *impls))
     return outputs
 
@@ -335,8 +396,13 @@ def _judge_write(name: str, impl: str, got, expected: np.ndarray, case: Case,
                  mismatches, detail=detail)
 
 
-def _judge_decode(name: str, impl: str, got, truth: np.ndarray, tol: Tolerance, case: Case,
-                  inputs: dict, torch_got) -> Check:
+def _at(index, inputs: dict) -> str:
+    b = index[0]
+    return f"{list(index)} (batch row {b}, context_lens={int(inputs['context_lens'][b])})"
+
+
+def _judge_decode(name: str, impl: str, got, truth: np.ndarray, tol: Tolerance,
+                  magnitude: np.ndarray, case: Case, inputs: dict, torch_got) -> Check:
     expected_dtype = case.q_dtype if name == "out" else "float32"
     if got is None:
         return Check(name, impl, False, math.inf, math.inf, tol.value, truth.size,
@@ -345,30 +411,69 @@ def _judge_decode(name: str, impl: str, got, truth: np.ndarray, tol: Tolerance, 
         return Check(name, impl, False, math.inf, math.inf, tol.value, truth.size,
                      detail=f"got {got.dtype.name}{list(got.shape)}, expected"
                             f" {expected_dtype}{list(truth.shape)}")
+    rows = inputs["context_lens"] > 0  # the others must be exact zeros / -inf (below)
+    got64 = got.astype(np.float64)
     err = tolerance.abs_errors(got, truth)
     max_err = float(err.max()) if err.size else 0.0
+    problems = []
+
+    # 1. FlashAttention's rule; a bound that is not finite judges nothing and fails.
+    if not tol.finite:
+        problems.append(
+            f"the tolerance is not finite (tolerance {tol.value:.3g}, bias bound"
+            f" {tol.bias_bound:.3g}: the naive {tol.dtype} baseline or the truth overflowed,"
+            f" max |baseline - truth| = {tol.baseline_err:.3g}), so it cannot judge this output")
     over = err > tol.value
     mismatches = int(over.sum())
-    problems = []
     if mismatches:
         index = tuple(int(i) for i in np.argwhere(err == max_err)[0])
-        b = index[0]
         problems.append(
             f"{mismatches} of {err.size} elements over the tolerance {tol.value:.3g}; worst at"
-            f" {list(index)} (batch row {b}, context_lens={int(inputs['context_lens'][b])}): got"
-            f" {float(got[index]):.6g}, truth {float(truth[index]):.6g}")
-    empty = inputs["context_lens"] == 0
+            f" {_at(index, inputs)}: got {float(got[index]):.6g}, truth {float(truth[index]):.6g}")
+
+    # 2. Finite everywhere but where SPEC.md defines otherwise.
+    bad = ~np.isfinite(got64) & rows.reshape(-1, *[1] * (got.ndim - 1))
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        problems.append(f"{int(bad.sum())} non-finite elements in non-empty rows; first at"
+                        f" {_at(index, inputs)}: {float(got[index])}")
+    if not np.isfinite(truth[rows]).all():
+        problems.append("the float64 truth is not finite in a non-empty row")
     zero = 0.0 if name == "out" else -np.inf
-    bad_rows = [b for b in np.flatnonzero(empty).tolist()
-                if not np.all(got[b].astype(np.float64) == zero)]
+    bad_rows = [b for b in np.flatnonzero(~rows).tolist() if not np.all(got64[b] == zero)]
     if bad_rows:
         problems.append(f"zero-length rows {bad_rows} are not exactly {zero}")
-    vs_torch = None
+
+    # 3. Elementwise against torch_ref, in ulps of the output dtype at the element's magnitude.
+    vs_torch = ulps = None
     if impl != "torch" and torch_got is not None and torch_got.shape == got.shape:
         vs_torch = tolerance.max_abs_error(got, torch_got)
+        ulp_dtype = expected_dtype
+        u = tolerance.ulps_between(got[rows], torch_got[rows], magnitude[rows], ulp_dtype)
+        ulps = float(u.max()) if u.size else 0.0
+        if not ulps <= tol.ulp_bound:
+            worst = np.argwhere(u == ulps)[0]
+            index = (int(np.flatnonzero(rows)[worst[0]]), *(int(i) for i in worst[1:]))
+            problems.append(
+                f"{int((u > tol.ulp_bound).sum())} elements more than {tol.ulp_bound:g} ulps"
+                f" ({ulp_dtype}) from torch_ref; worst {ulps:.3g} ulps at {_at(index, inputs)}:"
+                f" got {float(got[index]):.6g}, torch_ref {float(torch_got[index]):.6g},"
+                f" magnitude {float(magnitude[index]):.3g}")
+
+    # 4. No systematic bias against the truth.
+    signed = got64[rows] - truth[rows]
+    with np.errstate(invalid="ignore"):
+        bias = float(signed.mean()) if signed.size else 0.0
+    if not abs(bias) <= tol.bias_bound and not bad.any():  # NaN / inf: reported above
+        problems.append(
+            f"systematic bias: mean(out - truth) = {bias:.3g} over {signed.size} elements, beyond"
+            f" {tol.bias_bound:.3g} = {tol.bias_sigmas:g} x sigma {tol.bias_sigma:.3g} (rounding to"
+            f" {tol.dtype}) + floor {tol.bias_floor:.3g} (fp32 accumulation)")
+
     rel = max_err / tol.scale if tol.scale else (0.0 if max_err == 0 else math.inf)
     return Check(name, impl, not problems, max_err, rel, tol.value, mismatches, vs_torch,
-                 detail="; ".join(problems))
+                 ulps_vs_torch=ulps, ulp_bound=tol.ulp_bound if ulps is not None else None,
+                 bias=bias, bias_bound=tol.bias_bound, detail="; ".join(problems))
 
 
 def judge(outputs: dict) -> CaseResult:
@@ -383,7 +488,8 @@ def judge(outputs: dict) -> CaseResult:
             checks.append(_with_error(check, error, name in got))
         for name, truth in outputs["truth"].items():
             check = _judge_decode(name, impl, got.get(name), truth, outputs["tolerances"][name],
-                                  case, inputs, outputs["torch"].get(name))
+                                  outputs["magnitudes"][name], case, inputs,
+                                  outputs["torch"].get(name))
             checks.append(_with_error(check, error, name in got))
     return CaseResult(case=case, device=outputs["device"], checks=checks,
                       tolerances=outputs["tolerances"], timings=outputs["timings"],

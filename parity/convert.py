@@ -8,11 +8,13 @@ integer bits viewed back as the float type
 payloads; JAX takes ml_dtypes arrays natively.
 
 It also holds the few other places where the harness touches a framework directly: choosing the
-devices, making torch's fp32 matmuls IEEE (no TF32), and waiting for asynchronous work before
-reading a clock.
+devices, making torch's fp32 matmuls IEEE (no TF32) for the length of a block, and waiting for
+asynchronous work before reading a clock.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import ml_dtypes
 import numpy as np
@@ -23,15 +25,16 @@ import torch
 __all__ = [
     "DEVICES",
     "bits",
-    "configure_torch",
     "default_device",
     "from_jax",
     "from_torch",
+    "ieee_fp32_matmuls",
     "jax_device",
     "jax_sync",
     "to_jax",
     "to_torch",
     "torch_device",
+    "torch_precision_flags",
     "torch_sync",
 ]
 
@@ -92,11 +95,32 @@ def jax_device(device: str):
     return jax.devices("gpu" if device == "cuda" else "cpu")[0]
 
 
-def configure_torch() -> None:
-    """fp32 matmuls in IEEE fp32 on every backend (no TF32), as SPEC.md's precision rule says."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
+def torch_precision_flags() -> dict:
+    """torch's global fp32-matmul settings: the TF32 switches and the matmul precision."""
+    return dict(matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32,
+                cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
+                float32_matmul_precision=torch.get_float32_matmul_precision())
+
+
+def _set_torch_precision_flags(flags: dict) -> None:
+    # The precision first: it sets cuda.matmul.allow_tf32 too, which the next line then restores.
+    torch.set_float32_matmul_precision(flags["float32_matmul_precision"])
+    torch.backends.cuda.matmul.allow_tf32 = flags["matmul_allow_tf32"]
+    torch.backends.cudnn.allow_tf32 = flags["cudnn_allow_tf32"]
+
+
+@contextlib.contextmanager
+def ieee_fp32_matmuls():
+    """Inside the block, torch's fp32 matmuls are IEEE fp32 on every backend (no TF32), as
+    SPEC.md's precision rule says; on leaving it (exception or not), torch's flags are what they
+    were before, so parity leaves no global state behind in the process that called it."""
+    saved = torch_precision_flags()
+    _set_torch_precision_flags(dict(matmul_allow_tf32=False, cudnn_allow_tf32=False,
+                                    float32_matmul_precision="highest"))
+    try:
+        yield
+    finally:
+        _set_torch_precision_flags(saved)
 
 
 def to_torch(arr: np.ndarray, device: str = "cpu") -> torch.Tensor:

@@ -10,16 +10,22 @@ import sys
 import numpy as np
 
 from parity.compare import CaseResult, Check, SuiteResult
-from parity.tolerance import ATOL, FACTOR, LSE_ATOL
+from parity.tolerance import (ATOL, BIAS_FLOOR_ULPS, BIAS_SIGMAS, FACTOR, LSE_ATOL,
+                              ULP_BOUND)
 
 __all__ = ["failure_lines", "format_table", "progress_line", "summary_line", "to_json"]
 
 OUTPUTS = ("k_cache", "v_cache", "out", "lse")
+# Table columns beyond the outputs: the worst ratio of each statistic over the decode checks.
+STATISTICS = {"ulp": "ulp_ratio", "bias": "bias_ratio"}
+
+
+def _format_ratio(r: float) -> str:
+    return "inf" if math.isinf(r) else f"{r:.3f}" if r < 10 else f"{r:.3g}"
 
 
 def _ratio(check: Check) -> str:
-    r = check.ratio
-    return "inf" if math.isinf(r) else f"{r:.3f}" if r < 10 else f"{r:.3g}"
+    return _format_ratio(check.ratio)
 
 
 def cell(result: CaseResult, output: str) -> str:
@@ -40,14 +46,26 @@ def cell(result: CaseResult, output: str) -> str:
     return _ratio(worst)
 
 
+def statistic_cell(result: CaseResult, attribute: str) -> str:
+    """The worst ``ulp_ratio`` / ``bias_ratio`` over the decode checks (``<= 1`` passes)."""
+    values = [getattr(c, attribute) for c in result.checks if c.output in ("out", "lse")]
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    worst = max(values)
+    return _format_ratio(worst) if worst <= 1 else f"FAIL {_format_ratio(worst)}"
+
+
 def format_table(results: list[CaseResult]) -> str:
-    """One row per case: name, cache dtype, options, the worst ratio per output, time, verdict."""
-    header = ("case", "dtype", "options", *OUTPUTS, "time", "")
+    """One row per case: name, cache dtype, options, the worst ratio per output (FlashAttention's
+    rule), the worst ulp ratio against torch_ref and bias ratio, time, verdict."""
+    header = ("case", "dtype", "options", *OUTPUTS, *STATISTICS, "time", "")
     rows = []
     for r in results:
         seconds = sum(v for k, v in r.timings.items())
         rows.append((r.case.name, r.case.dtype, ",".join(r.case.options) or "-",
-                     *(cell(r, o) for o in OUTPUTS), f"{seconds:.1f}s",
+                     *(cell(r, o) for o in OUTPUTS),
+                     *(statistic_cell(r, a) for a in STATISTICS.values()), f"{seconds:.1f}s",
                      "ok" if r.passed else "FAIL"))
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
 
@@ -69,8 +87,8 @@ def failure_lines(results: list[CaseResult]) -> list[str]:
 
 def progress_line(i: int, total: int, result: CaseResult, seconds: float) -> str:
     width = len(str(total))
-    worst = [c for c in (result.worst(o) for o in ("out", "lse")) if c is not None]
-    ratio = max((c.ratio for c in worst), default=0.0)
+    ratio = max((c.worst_ratio for c in result.checks if c.output in ("out", "lse")),
+                default=0.0)
     verdict = "ok" if result.passed else "FAIL " + " ".join(c.label for c in result.failures)
     return (f"[{i + 1:>{width}}/{total}] {result.case.name:<44} {verdict}"
             f"  (worst ratio {ratio:.3f}, {seconds:.1f}s)")
@@ -81,9 +99,14 @@ def summary_line(suite: SuiteResult) -> str:
     checks = [c for r in results for c in r.checks]
     failed = [c for c in checks if not c.passed]
     decode = [(r, c) for r in results for c in r.checks if c.output in ("out", "lse")]
-    worst = max(decode, key=lambda rc: rc[1].ratio, default=None)
-    worst_text = (f"; worst decode ratio {_ratio(worst[1])} ({worst[0].case.name} {worst[1].label})"
-                  if worst else "")
+    worst_text = ""
+    for what, key in (("decode ratio", lambda c: c.ratio),
+                      ("ulp ratio", lambda c: c.ulp_ratio),
+                      ("bias ratio", lambda c: c.bias_ratio)):
+        rated = [(key(c), r, c) for r, c in decode if key(c) is not None]
+        if rated:
+            value, r, c = max(rated, key=lambda x: x[0])
+            worst_text += f"; worst {what} {_format_ratio(value)} ({r.case.name} {c.label})"
     verdict = "PASSED" if suite.passed else "FAILED"
     return (f"{verdict}: {len(results) - len(suite.failed)}/{len(results)} cases passed,"
             f" {len(checks) - len(failed)}/{len(checks)} checks passed on {suite.device}"
@@ -125,7 +148,13 @@ def to_json(suite: SuiteResult, *, suite_name: str, argv: list[str] | None = Non
                          torch_cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available()
                          else None),
         tolerance_rule=dict(rule="max|out - truth| <= factor * max|baseline - truth| + atol",
-                            factor=FACTOR, atol_relative_to_output_scale=ATOL, lse_atol=LSE_ATOL),
+                            factor=FACTOR, atol_relative_to_output_scale=ATOL, lse_atol=LSE_ATOL,
+                            ulp_rule="|impl - torch_ref| <= ulp_bound * ulp(max(|torch_ref|,"
+                                     " magnitude)), JAX impls, non-empty rows",
+                            ulp_bound=ULP_BOUND,
+                            bias_rule="|mean(out - truth)| <= bias_sigmas * sigma + bias_floor_ulps"
+                                      " * mean(ulp_fp32(magnitude)), non-empty rows",
+                            bias_sigmas=BIAS_SIGMAS, bias_floor_ulps=BIAS_FLOOR_ULPS),
         cases=[r.to_dict() for r in suite.results],
         failures=failure_lines(suite.results),
     )

@@ -10,8 +10,10 @@ import os
 import sys
 import zlib
 
-# torch and JAX may share one GPU in a test process: keep JAX from taking 75% of it up front.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# torch and JAX may share one GPU in a test process: importing parity (before JAX starts) keeps
+# JAX from taking 75% of it up front; parity/__init__.py is the one place that says so.
+import parity  # noqa: F401
+
 sys.path.insert(0, os.path.dirname(__file__))  # tests/ helpers (paged_inputs, oracle)
 
 import jax  # noqa: E402

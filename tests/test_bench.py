@@ -24,32 +24,18 @@ from benchmarks.shapes import (ALL_SHAPES, BENCH_SHAPES, EXTENSION_SHAPES, SMALL
                                  DecodeBenchShape, make_block_tables, make_decode_inputs,
                                  shape_by_name)
 
-# name -> (batch, num_heads, num_kv_heads, head_dim, block_size, context, ragged, dtype, window)
-REQUIRED = {
-    "b32_ctx4096": (32, 32, 8, 128, 16, 4096, False, "bfloat16", None),
-    "b64_ctx2048": (64, 32, 8, 128, 16, 2048, False, "bfloat16", None),
-    "b8_ctx16384": (8, 32, 8, 128, 16, 16384, False, "bfloat16", None),
-    "b128_ctx1024": (128, 32, 8, 128, 16, 1024, False, "bfloat16", None),
-    "b1_ctx32768": (1, 32, 8, 128, 16, 32768, False, "bfloat16", None),
-    "b256_ctx512": (256, 32, 8, 128, 16, 512, False, "bfloat16", None),
-    "mha_b32_ctx4096": (32, 32, 32, 128, 16, 4096, False, "bfloat16", None),
-    "bs64_b32_ctx4096": (32, 32, 8, 128, 64, 4096, False, "bfloat16", None),
-    "b4_ctx131072": (4, 32, 8, 128, 16, 131072, False, "bfloat16", None),
-    "ragged_b64_ctx8192": (64, 32, 8, 128, 16, 8192, True, "bfloat16", None),
-    "fp16_b32_ctx4096": (32, 32, 8, 128, 16, 4096, False, "float16", None),
-    "d64_b32_ctx4096": (32, 32, 8, 64, 16, 4096, False, "bfloat16", None),
-    "d256_b32_ctx4096": (32, 32, 8, 256, 16, 4096, False, "bfloat16", None),
-    "fp8_b32_ctx4096": (32, 32, 8, 128, 16, 4096, False, "float8_e4m3fn", None),
-    "fp8_b8_ctx16384": (8, 32, 8, 128, 16, 16384, False, "float8_e4m3fn", None),
-    "swa1024_b8_ctx32768": (8, 32, 8, 128, 16, 32768, False, "bfloat16", 1024),
-    "b8_ctx1024": (8, 32, 8, 128, 16, 1024, False, "bfloat16", None),
-}
+# The benchmark's required shapes (13) and its extensions (4), by name; `test_shape_names_state_
+# their_parameters` holds every shape to what its name says.
+REQUIRED = ("b32_ctx4096", "b64_ctx2048", "b8_ctx16384", "b128_ctx1024", "b1_ctx32768",
+            "b256_ctx512", "mha_b32_ctx4096", "bs64_b32_ctx4096", "b4_ctx131072",
+            "ragged_b64_ctx8192", "fp16_b32_ctx4096", "d64_b32_ctx4096", "d256_b32_ctx4096")
+EXTENSIONS = ("fp8_b32_ctx4096", "fp8_b8_ctx16384", "swa1024_b8_ctx32768", "b8_ctx1024")
+# What a name leaves unsaid: the model of the required shapes (32 query heads, 8 kv heads,
+# head_dim 128, block size 16, bf16, full attention, equal lengths).
+MODEL = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16",
+             sliding_window=None, ragged=False)
+SMALL_MODEL = dict(MODEL, num_heads=8, num_kv_heads=2, head_dim=32)
 SMOKE_SHAPE = "small_b2_ctx64"
-
-
-def _params(s: DecodeBenchShape) -> tuple:
-    return (s.batch, s.num_heads, s.num_kv_heads, s.head_dim, s.block_size, s.context, s.ragged,
-            s.dtype, s.sliding_window)
 
 
 def _finite_positive(x) -> bool:
@@ -63,19 +49,41 @@ def _finite_positive(x) -> bool:
 def test_names_are_unique():
     names = [s.name for s in ALL_SHAPES + SMALL_SHAPES]
     assert len(names) == len(set(names))
-    assert ALL_SHAPES == BENCH_SHAPES + EXTENSION_SHAPES
 
 
-@pytest.mark.parametrize("name", sorted(REQUIRED))
-def test_required_shapes_are_present(name):
-    assert _params(shape_by_name(name)) == REQUIRED[name]
-    assert shape_by_name(name) in ALL_SHAPES
+def _named_parameters(name: str) -> dict:
+    """The parameters a shape's name states: ``b<batch>``, ``ctx<context>``, ``mha`` (as many kv
+    heads as query heads), ``bs<n>``, ``d<n>``, ``fp16``, ``fp8``, ``swa<W>``, ``ragged``; the rest
+    is the model's (a ``small_`` prefix picks the small model)."""
+    tokens = name.split("_")
+    params = dict(SMALL_MODEL if tokens[0] == "small" else MODEL)
+    for token in tokens[tokens[0] == "small":]:
+        for prefix, field in (("ctx", "context"), ("bs", "block_size"), ("swa", "sliding_window"),
+                              ("b", "batch"), ("d", "head_dim")):
+            if token.startswith(prefix) and token[len(prefix):].isdigit():
+                params[field] = int(token[len(prefix):])
+                break
+        else:
+            extra = {"mha": dict(mha=True), "ragged": dict(ragged=True),
+                     "fp16": dict(dtype="float16"), "fp8": dict(dtype="float8_e4m3fn")}
+            assert token in extra, f"{name}: unknown name token {token!r}"
+            params.update(extra[token])
+    return params
+
+
+@pytest.mark.parametrize("shape", ALL_SHAPES + SMALL_SHAPES, ids=lambda s: s.name)
+def test_shape_names_state_their_parameters(shape):
+    expected = _named_parameters(shape.name)
+    if expected.pop("mha", False):  # as many kv heads as query heads, however many that is
+        assert shape.num_kv_heads == shape.num_heads
+        del expected["num_heads"], expected["num_kv_heads"]
+    assert {k: getattr(shape, k) for k in expected} == expected
 
 
 def test_bench_shapes_are_exactly_the_required_thirteen():
-    extensions = {"fp8_b32_ctx4096", "fp8_b8_ctx16384", "swa1024_b8_ctx32768", "b8_ctx1024"}
-    assert {s.name for s in BENCH_SHAPES} == set(REQUIRED) - extensions
-    assert {s.name for s in EXTENSION_SHAPES} == extensions
+    assert [s.name for s in BENCH_SHAPES] == list(REQUIRED)
+    assert [s.name for s in EXTENSION_SHAPES] == list(EXTENSIONS)
+    assert {s.name for s in ALL_SHAPES} == set(REQUIRED) | set(EXTENSIONS)
     assert len(BENCH_SHAPES) == 13
 
 

@@ -315,10 +315,16 @@ def test_xla_impl_has_no_kernel():
     assert "xla.gpu.triton" not in text and "pallas_paged_decode" not in text
 
 
-def test_interpret_default_follows_the_backend(rng, on_gpu):
-    from pallas_paged._platform import resolve_interpret
-    assert resolve_interpret(None) is (not on_gpu)
-    assert resolve_interpret(True) is True and resolve_interpret(False) is False
+@pytest.mark.parametrize("backend,interpret", [("gpu", False), ("cpu", True), ("tpu", True)])
+def test_interpret_default_follows_the_backend(monkeypatch, backend, interpret):
+    """interpret=None is interpret mode exactly when JAX's default backend is not a GPU; an
+    explicit value is kept whatever the backend."""
+    from pallas_paged import _platform
+    monkeypatch.setattr(_platform.jax, "default_backend", lambda: backend)
+    assert _platform.resolve_interpret(None) is interpret
+    assert _platform.resolve_interpret(True) is True
+    assert _platform.resolve_interpret(False) is False
+    assert _platform.resolve_interpret(1) is True  # a bool either way
 
 
 @pytest.mark.gpu

@@ -1,9 +1,12 @@
 """The parity harness itself: its inputs, conversions, tolerances, CLI, and that it catches bugs.
 
-The last group is the one that matters most: a deliberately broken JAX implementation (GQA heads
-mapped with ``repeat`` instead of ``repeat_interleave``; a write that lets slot -1 wrap to the last
-slot) must make the sweep fail on exactly the outputs that bug touches, and the report must name the
-case and the output.
+The rules of the judge are each shown to fail what they should (an all-NaN output over a baseline
+that overflowed, one non-finite element, an element a few ulps too far from torch_ref inside
+FlashAttention's bound, a small shift of every element). The last group: a deliberately broken JAX
+implementation (GQA heads mapped with ``repeat`` instead of ``repeat_interleave``; a write that
+lets slot -1 wrap to the last slot) must make the sweep fail on exactly the outputs that bug
+touches, and the report must name the case and the output; tests/test_mutations.py plants many
+more through the public functions.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -293,12 +297,83 @@ def test_truth_agrees_with_torch_ref_and_the_baseline_is_worse(case):
     assert tols["lse"].value <= 1e-4 * max(1, tols["lse"].scale)
 
 
+def test_ulp_is_the_spacing_of_the_dtype_at_the_magnitude():
+    x = np.array([1.0, 1.5, -3.0, 2.0**-130, 0.0, np.inf, np.nan])
+    np.testing.assert_array_equal(tolerance.ulp(x, "bfloat16"),
+                                  [2.0**-7, 2.0**-7, 2.0**-6, 2.0**-133, 2.0**-133, np.inf, np.nan])
+    np.testing.assert_array_equal(tolerance.ulp(x[:5], "float16"),
+                                  [2.0**-10, 2.0**-10, 2.0**-9, 2.0**-24, 2.0**-24])
+    np.testing.assert_array_equal(tolerance.ulp(x[:3], "float32"), [2.0**-23, 2.0**-23, 2.0**-22])
+    # The next value up is one ulp away, in every dtype.
+    for dtype in ("float32", "float16", "bfloat16"):
+        v = np.array([0.7, 3.0, 1000.0]).astype(cases.NP_DTYPES[dtype])
+        up = np.nextafter(v.astype(np.float32), np.float32(np.inf)) if dtype == "float32" else None
+        if up is None:
+            up = (v.view(np.uint16) + 1).view(v.dtype)
+        np.testing.assert_array_equal(up.astype(np.float64) - v.astype(np.float64),
+                                      tolerance.ulp(v.astype(np.float64), dtype))
+
+
+def test_ulps_between_counts_at_the_larger_of_the_value_and_its_magnitude():
+    ref = np.array([1.0, 1e-3, 0.0, 2.0])
+    got = ref + np.array([2.0**-6, 2.0**-6, 2.0**-6, np.nan])
+    magnitude = np.array([0.5, 1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(tolerance.ulps_between(got, ref, magnitude, "bfloat16"),
+                                  [2.0, 2.0, 2.0, np.inf])
+
+
+def test_bias_bound_is_what_rounding_to_the_dtype_allows():
+    n = 4096
+    sigma, floor = tolerance.bias_statistics(np.ones(n), np.ones(n), "bfloat16")
+    assert sigma == pytest.approx(2.0**-7 / math.sqrt(12 * n))
+    assert floor == pytest.approx(tolerance.BIAS_FLOOR_ULPS * 2.0**-23)
+    # Rounded to nearest even, random values stay inside the bound; one ulp up does not.
+    truth = np.random.default_rng(3).standard_normal(n)
+    rounded = truth.astype(ml_dtypes.bfloat16)
+    sigma, floor = tolerance.bias_statistics(truth, np.abs(truth), "bfloat16")
+    bound = tolerance.BIAS_SIGMAS * sigma + floor
+    assert abs((rounded.astype(np.float64) - truth).mean()) <= bound / 3
+    up = np.where(rounded.astype(np.float32) > 0, rounded.view(np.uint16) + 1,
+                  rounded.view(np.uint16) - 1).astype(np.uint16).view(ml_dtypes.bfloat16)
+    assert (up.astype(np.float64) - truth).mean() > 10 * bound
+    assert tolerance.bias_statistics(np.zeros(0), np.zeros(0), "float16") == (0.0, 0.0)
+
+
+def test_a_tolerance_from_an_overflowing_baseline_is_not_finite():
+    truth = np.array([[0.5, -4.0]])
+    tol = tolerance.decode_tolerance("out", "float16", truth, np.array([[np.inf, -4.0]]))
+    assert tol.value == math.inf and not tol.finite
+    assert tolerance.decode_tolerance("out", "float16", truth, truth.copy()).finite
+
+
 # ------------------------------------------------------------------------------------------------
 # Runs through the real implementations.
 
 @pytest.fixture(scope="module")
-def small_result():
-    return compare.run_case(SMALL, device="cpu")
+def small_outputs():
+    return compare.case_outputs(SMALL, "cpu")
+
+
+@pytest.fixture(scope="module")
+def small_result(small_outputs):
+    return compare.judge(small_outputs)
+
+
+def _replaced(outputs: dict, impl: str, name: str, array: np.ndarray | None = None,
+              **tolerance_fields) -> dict:
+    """A shallow copy of `case_outputs`' dict with one output (and/or its tolerance) replaced."""
+    new = dict(outputs, **{impl: dict(outputs[impl])})
+    if array is not None:
+        new[impl][name] = array
+    if tolerance_fields:
+        tols = dict(outputs["tolerances"])
+        tols[name] = dataclasses.replace(tols[name], **tolerance_fields)
+        new["tolerances"] = tols
+    return new
+
+
+def _nonempty_row(outputs: dict) -> int:
+    return int(np.argmax(outputs["inputs"]["context_lens"]))
 
 
 def test_a_correct_run_passes_every_check(small_result):
@@ -308,13 +383,120 @@ def test_a_correct_run_passes_every_check(small_result):
     assert labels == {f"{o}[{i}]" for o in ("k_cache", "v_cache", "out")
                       for i in ("torch", "xla", "pallas")}
     for c in r.checks:
-        assert c.ratio <= 1 and math.isfinite(c.max_abs_err)
+        assert c.ratio <= 1 and math.isfinite(c.max_abs_err) and c.worst_ratio <= 1
         if c.output == "out" and c.impl != "torch":
             assert c.vs_torch is not None and c.vs_torch <= 1e-5 * r.tolerances["out"].scale
+            assert c.ulps_vs_torch is not None and c.ulps_vs_torch <= c.ulp_bound
+        if c.output == "out":
+            assert c.bias is not None and abs(c.bias) <= c.bias_bound
+        else:
+            assert c.ulps_vs_torch is None and c.bias is None  # writes: bit-exact only
+    assert r.check("out", "torch").ulps_vs_torch is None  # torch_ref is not held to itself
     assert r.tolerances["out"].value < 1e-4 * r.tolerances["out"].scale  # fp32: fp32-accurate
     assert {"torch.write", "xla.decode.first", "pallas.decode", "reference"} <= r.timings.keys()
     assert "out" in report.format_table([r]).splitlines()[0]
     json.loads(json.dumps(r.to_dict()))
+
+
+def test_an_all_nan_output_fails_even_against_an_overflowed_baseline(small_outputs):
+    """The bug this judge had: a baseline that overflows made the tolerance inf, and NaN > inf
+    is never true. A bound that is not finite now judges nothing and fails the check."""
+    nan = np.full_like(small_outputs["xla"]["out"], np.nan)
+    r = compare.judge(_replaced(small_outputs, "xla", "out", nan, baseline_err=math.inf))
+    for impl in ("torch", "xla", "pallas"):
+        check = r.check("out", impl)
+        assert not check.passed and "tolerance is not finite" in check.detail
+        assert check.ratio == math.inf
+    assert "non-finite elements" in r.check("out", "xla").detail
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_one_non_finite_element_fails(small_outputs, value):
+    out = small_outputs["xla"]["out"].copy()
+    out[_nonempty_row(small_outputs), 1, 2] = value
+    r = compare.judge(_replaced(small_outputs, "xla", "out", out))
+    assert {c.label for c in r.failures} == {"out[xla]"}
+    assert "1 non-finite elements in non-empty rows" in r.check("out", "xla").detail
+
+
+def test_zero_length_rows_must_be_exact_zeros(small_outputs):
+    out = small_outputs["xla"]["out"].copy()
+    empty = int(np.flatnonzero(small_outputs["inputs"]["context_lens"] == 0)[0])
+    out[empty, 0, 0] = 1e-30
+    r = compare.judge(_replaced(small_outputs, "xla", "out", out))
+    assert f"zero-length rows [{empty}] are not exactly 0.0" in r.check("out", "xla").detail
+
+
+def test_the_ulp_rule_is_tighter_than_flashattentions(small_outputs):
+    """An fp32 element ulp_bound + 2 ulps (at its magnitude) away from torch_ref is inside
+    FlashAttention's bound, but the elementwise rule against torch_ref fails it."""
+    out = small_outputs["xla"]["out"].copy()
+    index = (_nonempty_row(small_outputs), 0, 0)
+    tol = small_outputs["tolerances"]["out"]
+    magnitude = max(abs(float(small_outputs["torch"]["out"][index])),
+                    float(small_outputs["magnitudes"]["out"][index]))
+    step = (tol.ulp_bound + 2) * float(tolerance.ulp(np.array(magnitude), "float32"))
+    out[index] = small_outputs["torch"]["out"][index] + np.float32(step)
+    check = compare.judge(_replaced(small_outputs, "xla", "out", out)).check("out", "xla")
+    assert check.max_abs_err <= check.tolerance  # FlashAttention's rule alone would pass it
+    assert not check.passed and "ulps (float32) from torch_ref" in check.detail
+    assert check.ulp_ratio > 1 and check.ratio <= 1
+
+
+def test_the_bias_rule_catches_a_shift_too_small_for_the_other_rules(small_outputs):
+    """Every element of a non-empty row 8 fp32 ulps (of its magnitude) high: inside
+    FlashAttention's bound and the ulp bound against torch_ref, twice the bias floor that fp32
+    accumulation error is allowed."""
+    out = small_outputs["xla"]["out"].astype(np.float64)
+    rows = small_outputs["inputs"]["context_lens"] > 0
+    shift = 8 * tolerance.ulp(small_outputs["magnitudes"]["out"], "float32")
+    out = np.where(rows[:, None, None], out + shift, out).astype(np.float32)
+    check = compare.judge(_replaced(small_outputs, "xla", "out", out)).check("out", "xla")
+    assert "systematic bias" in check.detail
+    assert "over the tolerance" not in check.detail and "from torch_ref" not in check.detail
+
+
+def test_magnitudes_bound_the_outputs(small_outputs):
+    mags, truth = small_outputs["magnitudes"], small_outputs["truth"]
+    assert (mags["out"] >= np.abs(truth["out"]) * (1 - 1e-12)).all()
+    rows = small_outputs["inputs"]["context_lens"] > 0
+    assert (mags["out"][rows] > 0).all() and (mags["out"][~rows] == 0).all()
+
+
+def test_parity_leaves_torch_precision_flags_as_it_found_them():
+    before = convert.torch_precision_flags()
+    try:
+        torch.set_float32_matmul_precision("high")  # TF32 allowed: what parity must not keep
+        torch.backends.cudnn.allow_tf32 = True
+        odd = convert.torch_precision_flags()
+        with convert.ieee_fp32_matmuls():
+            assert convert.torch_precision_flags() == dict(
+                matmul_allow_tf32=False, cudnn_allow_tf32=False,
+                float32_matmul_precision="highest")
+        assert convert.torch_precision_flags() == odd
+        with pytest.raises(RuntimeError), convert.ieee_fp32_matmuls():
+            raise RuntimeError("an implementation failed")
+        assert convert.torch_precision_flags() == odd
+        compare.case_outputs(dataclasses.replace(SMALL, batch=2), "cpu", impls=())
+        assert convert.torch_precision_flags() == odd
+    finally:
+        torch.set_float32_matmul_precision(before["float32_matmul_precision"])
+        torch.backends.cuda.matmul.allow_tf32 = before["matmul_allow_tf32"]
+        torch.backends.cudnn.allow_tf32 = before["cudnn_allow_tf32"]
+
+
+def test_xla_preallocation_is_switched_off_in_one_place():
+    """Only parity/__init__.py sets XLA_PYTHON_CLIENT_PREALLOCATE; the tests, the CLI and the
+    notebook import parity before JAX instead."""
+    setters = []
+    for folder in ("parity", "pallas_paged", "torch_ref", "tests", "benchmarks", "notebooks"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix in (".py", ".ipynb") and path.name != "test_parity.py":
+                if re.search(r"(environ|putenv)[^\n]*XLA_PYTHON_CLIENT_PREALLOCATE",
+                             path.read_text()):
+                    setters.append(str(path.relative_to(ROOT)))
+    assert setters == ["parity/__init__.py"]
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" in os.environ  # conftest imported parity
 
 
 def test_an_implementation_that_raises_is_a_failure_not_a_crash(monkeypatch):

@@ -804,11 +804,16 @@ def test_paged_decode_attention_accepts_garbage_in_table_tails(rng):
 
 
 # --------------------------------------------------------------------------------------------------
-# Classic bugs: each test fails when its bug is planted in torch_ref
+# Classic bugs: each check passes on torch_ref and fails when its bug is planted in it
 # --------------------------------------------------------------------------------------------------
+# `test_bug` runs every check twice from the same seed: on the real torch_ref (it must pass), then
+# with a planted variant monkeypatched in (it must fail). A plant replaces the public function or
+# the internal step the bug lives in (`attention.attend`, `attention._window_start`,
+# `cache.quantize_fp8`), reusing the real code around it, so each variant differs from torch_ref
+# by exactly its bug.
 
 
-def test_bug_negative_slot_wraps_to_last_slot(rng):
+def check_negative_slot_wraps_to_last_slot(rng):
     """A raw -1 index means "the last element": padding must not overwrite the last slot."""
     for dtype in FLOAT_DTYPES:
         k_cache, v_cache, k, v, slots = make_write(rng, dtype, num_tokens=3, pad=(0, 2))
@@ -820,7 +825,7 @@ def test_bug_negative_slot_wraps_to_last_slot(rng):
         assert_bits_equal(v_cache[-1, -1], last_v)
 
 
-def test_bug_repeat_instead_of_repeat_interleave(rng):
+def check_repeat_instead_of_repeat_interleave(rng):
     """With H=4, KVH=2, head 1 must read kv head 0 (h // 2), not kv head 1 (h % 2)."""
     case = make_case(rng, [3, 9], num_heads=4, num_kv_heads=2)
     out = case.run()
@@ -832,33 +837,33 @@ def test_bug_repeat_instead_of_repeat_interleave(rng):
     assert_bits_equal(head1, only_kv0.run()[0, 0])
 
 
-def test_bug_floor_instead_of_ceil_page_count(rng):
+def check_floor_instead_of_ceil_page_count(rng):
     """n = bs + 1 spans 2 pages, n = bs - 1 spans 1: floor(n / bs) drops the partial page."""
     case = make_case(rng, [3, 5, 1, 6], block_size=4)
     assert_close_to_oracle(case.run(), case.oracle()[0], TOLERANCES[torch.float32])
 
 
-def test_bug_reading_whole_table_row(rng):
+def check_reading_whole_table_row(rng):
     """Gathering every table entry then cutting to n faults on garbage ids past ceil(n / bs)."""
     for tail in (99999, -7):
         case = make_case(rng, [1, 5, 2], block_size=4, max_blocks=6, tail=tail)
         assert_close_to_oracle(case.run(), case.oracle()[0], TOLERANCES[torch.float32])
 
 
-def test_bug_scale_after_softmax(rng):
+def check_scale_after_softmax(rng):
     """The scale multiplies the scores, inside the exponent, not the probabilities or the output."""
     case = make_case(rng, [4, 9, 12], q_mult=2.0)
     for scale in (None, 0.1, 3.0):
         assert_close_to_oracle(case.run(scale), case.oracle(scale)[0], TOLERANCES[torch.float32])
 
 
-def test_bug_softmax_in_bf16(rng):
+def check_softmax_in_bf16(rng):
     """fp32 inputs keep the softmax in fp32: a bf16 one is ~2e-3 off here, 200x this tolerance."""
     case = make_case(rng, [7, 16, 33], block_size=8, max_blocks=5, head_dim=16, q_mult=2.0)
     assert_close_to_oracle(case.run(), case.oracle()[0], TOLERANCES[torch.float32])
 
 
-def test_bug_sorting_block_table(rng):
+def check_sorting_block_table(rng):
     """Table order is logical order; physical ids are shuffled and must not be sorted."""
     case = make_case(rng, [12, 15], block_size=3, max_blocks=5, num_heads=2, num_kv_heads=1,
                      head_dim=4, q_mult=2.0)
@@ -868,13 +873,13 @@ def test_bug_sorting_block_table(rng):
                            TOLERANCES[torch.float32])
 
 
-def test_bug_keeping_rows_past_n_in_the_last_block(rng):
+def check_keeping_rows_past_n_in_the_last_block(rng):
     """Positions >= n of the last block do not exist (here they hold NaN)."""
     case = make_case(rng, [1, 6, 7], block_size=4)
     assert_close_to_oracle(case.run(), case.oracle()[0], TOLERANCES[torch.float32])
 
 
-def test_bug_masking_scores_but_not_nan_value_rows(rng):
+def check_masking_scores_but_not_nan_value_rows(rng):
     """A -inf score gives weight 0, but 0 * NaN = NaN: masked rows must not enter the product."""
     case = make_case(rng, [2, 5], block_size=4, fill=math.nan)
     out = case.run()
@@ -882,7 +887,7 @@ def test_bug_masking_scores_but_not_nan_value_rows(rng):
     assert_close_to_oracle(out, case.oracle()[0], TOLERANCES[torch.float32])
 
 
-def test_bug_sliding_window_off_by_one(rng):
+def check_sliding_window_off_by_one(rng):
     """Exactly the newest min(W, n) tokens take part: p > n - 1 - W."""
     case = make_case(rng, [5, 9, 2], block_size=4, q_mult=2.0)
     for window in (1, 2, 4):
@@ -893,7 +898,7 @@ def test_bug_sliding_window_off_by_one(rng):
     torch.testing.assert_close(case.run(sliding_window=1)[1], newest, atol=0, rtol=0)
 
 
-def test_bug_alibi_distance_measured_from_n_instead_of_the_newest_token(rng):
+def check_alibi_distance_measured_from_n_instead_of_the_newest_token(rng):
     """ALiBi adds slope * (p - (n - 1)); measured from n, it shifts every logit by -slope, which the
     softmax alone hides but a sink and the lse expose."""
     case = make_case(rng, [3, 8], block_size=4)
@@ -906,7 +911,7 @@ def test_bug_alibi_distance_measured_from_n_instead_of_the_newest_token(rng):
     np.testing.assert_allclose(lse_no_sink.numpy(), case.oracle(alibi_slopes=slopes)[1], rtol=1e-5, atol=1e-5)
 
 
-def test_bug_fp8_scale_multiplied_instead_of_divided_on_write(rng):
+def check_fp8_scale_multiplied_instead_of_divided_on_write(rng):
     """The fp8 store divides by the scale (and decode multiplies): 3.0 with scale 0.5 stores 6.0."""
     k_cache = torch.zeros(1, 2, 1, 1, dtype=FP8)
     v_cache = torch.zeros(1, 2, 1, 1, dtype=FP8)
@@ -914,3 +919,164 @@ def test_bug_fp8_scale_multiplied_instead_of_divided_on_write(rng):
     torch_ref.write_kv(k_cache, v_cache, k, k, torch.tensor([0, 1]), k_scale=0.5, v_scale=2.0)
     assert k_cache.float().flatten().tolist() == [6.0, -3.0]
     assert v_cache.float().flatten().tolist() == [1.5, -0.75]
+
+
+# The planted variants. Each takes pytest's monkeypatch and plants one bug in torch_ref.
+
+REAL_WRITE_KV = torch_ref.write_kv
+REAL_DECODE = torch_ref.paged_decode_attention
+REAL_ATTEND = torch_ref.attention.attend
+
+
+def plant_negative_slot_wraps(m):
+    def write_kv(k_cache, v_cache, k, v, slot_mapping, **scales):
+        # No padding filter: slot -1 is block -1 // bs = -1, offset -1 % bs = bs - 1, the last slot.
+        slots = slot_mapping.to(torch.int64)
+        bs = k_cache.shape[1]
+        k_cache[slots // bs, slots % bs] = k
+        v_cache[slots // bs, slots % bs] = v
+    m.setattr(torch_ref, "write_kv", write_kv)
+
+
+def _plant_attend(m, attend):
+    m.setattr(torch_ref.attention, "attend", attend)
+
+
+def plant_repeat(m):
+    def attend(q, k, v, *args, **kwargs):
+        # Expanding the kv heads with `repeat` (tile): head h reads kv head h % KVH.
+        group = q.shape[0] // k.shape[1]
+        return REAL_ATTEND(q, k.repeat(1, group, 1), v.repeat(1, group, 1), *args, **kwargs)
+    _plant_attend(m, attend)
+
+
+def _plant_lengths(m, lengths):
+    """paged_decode_attention reading ``lengths(context_lens, block_size)`` rows per sequence."""
+    def decode(q, k_cache, v_cache, block_tables, context_lens, *args, **kwargs):
+        return REAL_DECODE(q, k_cache, v_cache, block_tables,
+                           lengths(context_lens, k_cache.shape[1]), *args, **kwargs)
+    m.setattr(torch_ref, "paged_decode_attention", decode)
+
+
+def plant_floor_page_count(m):
+    _plant_lengths(m, lambda n, bs: n // bs * bs)  # floor(n / bs) pages: the partial one dropped
+
+
+def plant_whole_table_row(m):
+    def decode(q, k_cache, v_cache, block_tables, *args, **kwargs):
+        k_cache[block_tables.to(torch.int64)]  # every entry gathered, garbage tail included
+        return REAL_DECODE(q, k_cache, v_cache, block_tables, *args, **kwargs)
+    m.setattr(torch_ref, "paged_decode_attention", decode)
+
+
+def plant_scale_after_softmax(m):
+    def attend(q, k, v, n, start, scale, **kwargs):
+        # Softmax of the unscaled scores; scaling the probabilities afterwards cancels out in
+        # the normalization.
+        return REAL_ATTEND(q, k, v, n, start, 1.0, **kwargs)
+    _plant_attend(m, attend)
+
+
+class _TorchWith:
+    """torch as torch_ref.attention sees it, with some functions replaced."""
+
+    def __init__(self, **replaced):
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def plant_softmax_in_bf16(m):
+    exp = _TorchWith(exp=lambda x: torch.exp(x.to(torch.bfloat16)).to(x.dtype))  # the numerator
+    m.setattr(torch_ref.attention, "torch", exp)
+
+
+def plant_sorted_block_table(m):
+    def decode(q, k_cache, v_cache, block_tables, context_lens, *args, **kwargs):
+        tables = block_tables.clone()
+        for b, n in enumerate(context_lens.tolist()):
+            pages = -(-n // k_cache.shape[1])
+            tables[b, :pages] = torch.sort(tables[b, :pages]).values
+        return REAL_DECODE(q, k_cache, v_cache, tables, context_lens, *args, **kwargs)
+    m.setattr(torch_ref, "paged_decode_attention", decode)
+
+
+def plant_rows_past_n(m):
+    _plant_lengths(m, lambda n, bs: -(-n // bs) * bs)  # the whole last block read
+
+
+def plant_masked_scores_with_value_rows(m):
+    true_lengths = []
+
+    def attend(q, k, v, n, start, scale, **kwargs):
+        # The rows past the true length get score -inf, so weight exactly 0, but still enter the
+        # weighted sum: 0 * NaN = NaN.
+        keep = true_lengths.pop(0) - start
+        out, lse = REAL_ATTEND(q, k[:keep], v[:keep], start + keep, start, scale, **kwargs)
+        group = q.shape[0] // v.shape[1]
+        masked = v[keep:].repeat_interleave(group, dim=1)  # [rows, H, D]
+        weights = torch.zeros(q.shape[0], masked.shape[0])
+        return out + torch.einsum("hp,phd->hd", weights, masked), lse
+
+    def decode(q, k_cache, v_cache, block_tables, context_lens, *args, **kwargs):
+        true_lengths[:] = context_lens.tolist()
+        bs = k_cache.shape[1]
+        return REAL_DECODE(q, k_cache, v_cache, block_tables, -(-context_lens // bs) * bs, *args,
+                           **kwargs)
+
+    _plant_attend(m, attend)
+    m.setattr(torch_ref, "paged_decode_attention", decode)
+
+
+def plant_window_off_by_one(m):
+    m.setattr(torch_ref.attention, "_window_start",
+              lambda n, w: 0 if w is None else max(0, n - w - 1))  # W + 1 tokens
+
+
+def plant_alibi_from_n(m):
+    # attend's only arange numbers the positions for ALiBi: one lower, the distance is p - n.
+    arange = _TorchWith(arange=lambda start, end, **kw: torch.arange(start - 1, end - 1, **kw))
+    m.setattr(torch_ref.attention, "torch", arange)
+
+
+def plant_fp8_scale_multiplied(m):
+    def quantize_fp8(x, scale):
+        return (x.to(torch.float32) * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    m.setattr(torch_ref.cache, "quantize_fp8", quantize_fp8)
+
+
+# check -> (plant, what the check may fail with besides an assertion)
+BUGS = {
+    check_negative_slot_wraps_to_last_slot: (plant_negative_slot_wraps, ()),
+    check_repeat_instead_of_repeat_interleave: (plant_repeat, ()),
+    check_floor_instead_of_ceil_page_count: (plant_floor_page_count, ()),
+    check_reading_whole_table_row: (plant_whole_table_row, (IndexError,)),  # faults on 99999
+    check_scale_after_softmax: (plant_scale_after_softmax, ()),
+    check_softmax_in_bf16: (plant_softmax_in_bf16, ()),
+    check_sorting_block_table: (plant_sorted_block_table, ()),
+    check_keeping_rows_past_n_in_the_last_block: (plant_rows_past_n, ()),
+    check_masking_scores_but_not_nan_value_rows: (plant_masked_scores_with_value_rows, ()),
+    check_sliding_window_off_by_one: (plant_window_off_by_one, ()),
+    check_alibi_distance_measured_from_n_instead_of_the_newest_token: (plant_alibi_from_n, ()),
+    check_fp8_scale_multiplied_instead_of_divided_on_write: (plant_fp8_scale_multiplied, ()),
+}
+
+
+@pytest.mark.parametrize("check", list(BUGS), ids=lambda f: f.__name__.removeprefix("check_"))
+def test_bug(check, monkeypatch, request):
+    """The check passes on torch_ref, fails on torch_ref with the bug planted, and passes again
+    once the plant is gone, every time on the same inputs."""
+    plant, also = BUGS[check]
+    seed = zlib.crc32(request.node.nodeid.encode())
+    check(np.random.default_rng(seed))
+    with monkeypatch.context() as m:
+        plant(m)
+        with pytest.raises((AssertionError, *also)):
+            check(np.random.default_rng(seed))
+    check(np.random.default_rng(seed))
+
+
+def test_every_check_has_its_bug():
+    checks = {name for name, f in globals().items() if name.startswith("check_") and callable(f)}
+    assert checks == {f.__name__ for f in BUGS}
