@@ -5,6 +5,7 @@ shares no code, no vectorization and no precision shortcut with any implementati
 Everything takes and returns numpy arrays.
 
 - `oracle_paged_attention`: decode attention with every extension, in float64.
+- `oracle_ragged_attention`: ragged (causal, several new tokens per sequence) paged attention.
 - `oracle_write_kv`: the cache write as a loop over tokens; give it raw-bit views (e.g.
   ``t.view(torch.int16).numpy()``) and compare the result bit for bit.
 - `oracle_quantize_fp8` / `fp8_e4m3fn_to_float`: the fp8 store (fp32 division, clamp to +-448,
@@ -22,6 +23,7 @@ __all__ = [
     "fp8_e4m3fn_to_float",
     "oracle_paged_attention",
     "oracle_quantize_fp8",
+    "oracle_ragged_attention",
     "oracle_write_kv",
 ]
 
@@ -155,3 +157,67 @@ def oracle_quantize_fp8(x, scale):
             code = lo if below < above else hi if above < below else (lo if lo % 2 == 0 else hi)
         codes[idx] = code | (0x80 if math.copysign(1.0, value) < 0 else 0)
     return codes
+
+
+def oracle_ragged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                            scale=None, *, logits_soft_cap=None, alibi_slopes=None,
+                            sliding_window=None, sinks=None, k_scale=None, v_scale=None):
+    """Ragged paged attention of SPEC.md in float64, read literally.
+
+    Sequence ``b`` owns the rows ``query_start_loc[b] .. query_start_loc[b + 1] - 1`` of ``q``;
+    its query ``i`` sits at position ``p = context_lens[b] - q_len_b + i`` and sees the positions
+    ``j <= p`` (with a window, ``j > p - W``), read through the block table one at a time. ALiBi
+    adds ``slope[h] * (j - p)``. Rows past ``query_start_loc[batch]`` stay zeros and ``-inf``.
+
+    Args:
+      q: ``[num_tokens, H, D]`` floats; query_start_loc: ``[B + 1]`` ints; the rest as
+        `oracle_paged_attention`.
+
+    Returns:
+      ``(out [num_tokens, H, D] float64, lse [num_tokens, H] float64)``.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    k_mult = 1.0 if k_scale is None else float(k_scale)
+    v_mult = 1.0 if v_scale is None else float(v_scale)
+    out = np.zeros((num_tokens, num_heads, head_dim), dtype=np.float64)
+    lse = np.full((num_tokens, num_heads), -np.inf, dtype=np.float64)
+    for b in range(len(context_lens)):
+        n = int(context_lens[b])
+        first, last = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        for i, row in enumerate(range(first, last)):
+            p = n - (last - first) + i
+            seen = [j for j in range(p + 1) if sliding_window is None or j > p - sliding_window]
+            for h in range(num_heads):
+                kv_head = h // group
+                logits, values = [], []
+                for j in seen:
+                    block, offset = int(block_tables[b, j // block_size]), j % block_size
+                    key = np.asarray(k_cache[block, offset, kv_head], dtype=np.float64) * k_mult
+                    s = float(np.dot(q[row, h], key)) * scale
+                    if logits_soft_cap is not None:
+                        s = logits_soft_cap * math.tanh(s / logits_soft_cap)
+                    if alibi_slopes is not None:
+                        s += float(alibi_slopes[h]) * (j - p)
+                    logits.append(s)
+                    values.append(np.asarray(v_cache[block, offset, kv_head], dtype=np.float64)
+                                  * v_mult)
+                if not logits:
+                    continue
+                m = max(logits)
+                if sinks is not None:
+                    m = max(m, float(sinks[h]))
+                weights = [math.exp(s - m) for s in logits]
+                denom = math.fsum(weights)
+                if sinks is not None:
+                    denom += math.exp(float(sinks[h]) - m)
+                acc = np.zeros(head_dim, dtype=np.float64)
+                for w, value in zip(weights, values):
+                    acc += w * value
+                out[row, h] = acc / denom
+                lse[row, h] = m + math.log(denom)
+    return out, lse

@@ -81,13 +81,46 @@ def find_query_tile(program, qsl_ref, *, batch: int, num_tokens: int, block_q: i
     return b, program - (first // block_q + b), first, end
 
 
-def split_share(lo, hi, split, num_splits: int):
-    """Split ``split``'s equal contiguous share ``[lo, hi)`` of the tiles ``[lo, hi)`` (maybe empty)."""
-    if num_splits == 1:
-        return lo, hi
-    per_split = (hi - lo + num_splits - 1) // num_splits
-    share_lo = lo + split * per_split
-    return share_lo, jnp.maximum(jnp.minimum(share_lo + per_split, hi), share_lo)
+def kv_tile_plan(first_pos, tile_queries, n, split, *, block_k: int, num_splits: int,
+                 window: int | None):
+    """The K/V tiles one program walks, and where they need masks.
+
+    The tile's queries sit at positions ``first_pos .. first_pos + tile_queries - 1`` (of a
+    sequence of ``n`` tokens). Some query sees the positions ``[key_lo, key_hi)``: from the window
+    start of the first query (0 without a window) to the last query's position, inclusive. Every
+    query sees ``[shared_lo, shared_hi)``: from the window start of the last query to the first
+    query's position. Tiles of ``block_k`` positions wholly inside the shared range need no mask.
+    The tiles ``key_lo // block_k .. ceil(key_hi / block_k) - 1`` are split into ``num_splits``
+    equal contiguous shares; this program (split ``split``) walks its share, in three ranges:
+    masked tiles before the shared ones (a window's edge), unmasked shared tiles, masked tiles
+    after them (the diagonal). Nothing past ``key_hi`` and no tile wholly before ``key_lo`` is
+    visited. A program with no queries (``tile_queries == 0``) visits nothing.
+
+    Returns:
+      ``(key_lo, key_hi, shared_lo, shared_hi, loops)``: int32 scalars and three ``(lo, hi)``
+      tile ranges with ``lo <= hi``.
+    """
+    last_pos = first_pos + tile_queries - 1
+    key_lo = jnp.int32(0) if window is None else jnp.maximum(first_pos - window + 1, 0)
+    key_hi = jnp.where(tile_queries > 0, jnp.clip(last_pos + 1, 0, n), 0)
+    key_hi = jnp.maximum(key_hi, key_lo)
+    shared_lo = jnp.int32(0) if window is None else jnp.maximum(last_pos - window + 1, 0)
+    shared_hi = jnp.clip(first_pos + 1, 0, n)
+    tile_lo = key_lo // block_k
+    tile_hi = jnp.where(key_hi > key_lo, (key_hi + block_k - 1) // block_k, tile_lo)
+    full_lo = jnp.clip((shared_lo + block_k - 1) // block_k, tile_lo, tile_hi)
+    full_hi = jnp.clip(shared_hi // block_k, full_lo, tile_hi)
+    lo, hi = tile_lo, tile_hi
+    if num_splits > 1:
+        per_split = (tile_hi - tile_lo + num_splits - 1) // num_splits
+        lo = tile_lo + split * per_split
+        hi = jnp.maximum(jnp.minimum(lo + per_split, tile_hi), lo)
+    edge = (lo, jnp.maximum(jnp.minimum(hi, full_lo), lo))
+    full_start = jnp.maximum(lo, full_lo)
+    full = (full_start, jnp.maximum(jnp.minimum(hi, full_hi), full_start))
+    diagonal_start = jnp.maximum(lo, full_hi)
+    diagonal = (diagonal_start, jnp.maximum(hi, diagonal_start))
+    return key_lo, key_hi, shared_lo, shared_hi, (edge, full, diagonal)
 
 
 def _ragged_attention_kernel(
@@ -133,7 +166,6 @@ def _ragged_attention_kernel(
     q_len = end_row - first_row
     tile_queries = jnp.clip(q_len - tile * block_q, 0, block_q)  # 0 for gap programs
     first_pos = n - q_len + tile * block_q  # position of the tile's first query
-    last_pos = first_pos + tile_queries - 1
 
     rows = jnp.arange(dot_rows)  # [M]: query (rows // group) of the tile, head (rows % group)
     query, g = rows // group, rows % group
@@ -148,18 +180,9 @@ def _ragged_attention_kernel(
     q_row = jnp.where(row_real, token * num_heads + head, q_ref.shape[0])
 
     # --- which K/V tiles: causal and window skipping ------------------------------------------
-    # Positions some real row sees: [key_lo, key_hi); positions every real row sees:
-    # [shared_lo, shared_hi). Tiles wholly inside the latter need no mask.
-    key_lo = jnp.int32(0) if window is None else jnp.maximum(first_pos - window + 1, 0)
-    key_hi = jnp.where(tile_queries > 0, jnp.clip(last_pos + 1, 0, n), 0)
-    key_hi = jnp.maximum(key_hi, key_lo)
-    shared_lo = jnp.int32(0) if window is None else jnp.maximum(last_pos - window + 1, 0)
-    shared_hi = jnp.clip(first_pos + 1, 0, n)
-    tile_lo, tile_hi = key_lo // block_k, (key_hi + block_k - 1) // block_k
-    tile_hi = jnp.where(key_hi > key_lo, tile_hi, tile_lo)
-    full_lo = jnp.clip((shared_lo + block_k - 1) // block_k, tile_lo, tile_hi)
-    full_hi = jnp.clip(shared_hi // block_k, full_lo, tile_hi)
-    share_lo, share_hi = split_share(tile_lo, tile_hi, split, num_splits)
+    plan = kv_tile_plan(first_pos, tile_queries, n, split, block_k=block_k,
+                        num_splits=num_splits, window=window)
+    key_lo, key_hi, shared_lo, shared_hi, loops = plan
 
     # --- the tile's queries ---------------------------------------------------------------------
     q = plgpu.load(q_ref.at[q_row[:, None], cols[None, :]],
@@ -192,7 +215,8 @@ def _ragged_attention_kernel(
                 col_ok[None, :], (block_k, padded_dim))
         block = jnp.clip(block, 0, num_blocks - 1)  # a garbage id can never leave the cache
         slot = block * block_size + pos % block_size  # i32[Tk]
-        k = plgpu.load(k_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=0.0)  # [Tk, Dp]
+        fill = None if kv_mask is None else 0.0
+        k = plgpu.load(k_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=fill)  # [Tk, Dp]
         s = _dot_nt(q, k.astype(compute_dtype)) * score_scale  # f32[M, Tk]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -207,7 +231,7 @@ def _ragged_attention_kernel(
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # all -inf so far: keep exp finite
         alpha = jnp.exp(m_prev - m_safe)  # f32[M]
         p = jnp.exp(s - m_safe[:, None])  # f32[M, Tk], 0 where a row does not see a position
-        v = plgpu.load(v_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=0.0)  # [Tk, Dp]
+        v = plgpu.load(v_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=fill)  # [Tk, Dp]
         v = v.astype(compute_dtype)
         if masked:  # a row with weight 0 for a NaN/Inf value row would still get 0 * NaN
             shared = (pos >= shared_lo) & (pos < shared_hi)
@@ -219,14 +243,9 @@ def _ragged_attention_kernel(
              jnp.full((dot_rows,), -jnp.inf, jnp.float32),
              jnp.zeros((dot_rows,), jnp.float32))
     masked_body = functools.partial(tile_body, masked=True)
-    # Window edge (masked), then the tiles every query sees whole, then the diagonal (masked).
-    lo, hi = share_lo, jnp.maximum(jnp.minimum(share_hi, full_lo), share_lo)
-    carry = jax.lax.fori_loop(lo, hi, masked_body, carry)
-    lo = jnp.maximum(share_lo, full_lo)
-    hi = jnp.maximum(jnp.minimum(share_hi, full_hi), lo)
-    carry = jax.lax.fori_loop(lo, hi, functools.partial(tile_body, masked=False), carry)
-    lo = jnp.maximum(share_lo, full_hi)
-    carry = jax.lax.fori_loop(lo, jnp.maximum(share_hi, lo), masked_body, carry)
+    full_body = functools.partial(tile_body, masked=False)
+    for (lo, hi), body in zip(loops, (masked_body, full_body, masked_body)):
+        carry = jax.lax.fori_loop(lo, hi, body, carry)
     acc, m, l = carry
     if v_scale is not None:
         acc = acc * v_scale
