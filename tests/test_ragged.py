@@ -118,16 +118,17 @@ def test_mixed_batch_matches_torch_ref_and_oracle(rng, impl, dtype):
     assert (out[-3:] == 0).all() and np.isneginf(lse[-3:]).all()
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2]], ids=str)  # CONFIGS[1]: above
 def test_kernel_configs(rng, config):
     problem = make_ragged(rng, MIX, pad=2, num_heads=4, num_kv_heads=2, head_dim=32,
                           block_size=5)
     assert_matches(problem, "pallas", "float32", config=config)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("block_size,num_heads,num_kv_heads",
-                         [(1, 4, 4), (3, 4, 2), (16, 8, 2), (3, 6, 2)])
+@pytest.mark.parametrize("impl,block_size,num_heads,num_kv_heads",
+                         [(impl, *case) for impl in IMPLS for case in [(1, 4, 4), (3, 4, 2),
+                                                                       (16, 8, 2)]]
+                         + [("pallas", 3, 6, 2)])
 def test_block_sizes_and_gqa(rng, impl, block_size, num_heads, num_kv_heads):
     """GQA ratios 1, 2, 4 (and 3); block sizes 1, 3, 16; lengths around the block size."""
     seqs = [(1, 1), (min(2, block_size), block_size), (2, block_size + 1),
@@ -156,8 +157,7 @@ def options(rng, num_heads, which):
 
 
 OPTION_CASES = [("xla", w) for w in ("logits_soft_cap", "alibi_slopes", "sliding_window", "sinks",
-                                     "all")] + [("pallas", w) for w in ("alibi_slopes",
-                                                                        "sliding_window", "all")]
+                                     "all")] + [("pallas", w) for w in ("sliding_window", "all")]
 
 
 @pytest.mark.parametrize("impl,which", OPTION_CASES)
@@ -500,12 +500,11 @@ def test_compiled_kernel_runs_on_gpu(rng):
 
 
 def test_benchmark_smoke_runs(capsys):
-    """``python -m benchmarks.bench_ragged --smoke`` (two of its shapes, in this process): the
-    plumbing end to end, every row checked and timed, exit status 0."""
+    """``python -m benchmarks.bench_ragged --smoke`` (its decode shape, in this process): the
+    plumbing end to end, ceilings, checked and timed rows, the decode comparison, exit status 0."""
     from benchmarks import bench_ragged
-    status = bench_ragged.main(["--smoke", "--shapes",
-                                "smoke_mixed_2x8c20_6dec30,smoke_decode_b4_ctx40"])
+    status = bench_ragged.main(["--smoke", "--shapes", "smoke_decode_b4_ctx40"])
     printed = capsys.readouterr().out
     assert status == 0, printed
-    assert "| smoke_mixed_2x8c20_6dec30 | default:" in printed
+    assert "| smoke_decode_b4_ctx40 | default:" in printed
     assert "paged_attention / decode time" in printed

@@ -54,9 +54,10 @@ def find_query_tile(program, qsl_ref, *, batch: int, num_tokens: int, block_q: i
 
     Sequence ``b`` (``b == batch``: the padding rows ``[query_start_loc[batch], num_tokens)``)
     owns the programs ``start(b) = query_start_loc[b] // block_q + b`` to
-    ``start(b) + ceil(q_len_b / block_q) - 1``. The program's sequence is the largest ``b`` with
-    ``start(b) <= program``, found by a binary search over ``b in [0, batch]`` (``start`` is
-    increasing); its tile is ``program - start(b)``, which may lie past the sequence's last tile
+    ``start(b) + ceil(q_len_b / block_q) - 1``. ``start`` is increasing, so the program's sequence
+    is the number of ``b in [1, batch]`` with ``start(b) <= program``: one vector load of the
+    small ``query_start_loc`` and a sum (no chain of dependent scalar loads, as a binary search
+    would take). Its tile is ``program - start(b)``, which may lie past the sequence's last tile
     (a gap program, with no rows).
 
     Args:
@@ -65,19 +66,15 @@ def find_query_tile(program, qsl_ref, *, batch: int, num_tokens: int, block_q: i
 
     Returns:
       ``(b, tile, first, end)`` as int32 scalars: the sequence, the tile index within it, and the
-      sequence's rows ``[first, end)`` of ``q``.
+      sequence's rows ``[first, end)`` of ``q`` (``end = num_tokens`` for ``b == batch``).
     """
-    def start_row(b):
-        return jnp.clip(qsl_ref[b], 0, num_tokens)
-
-    lo, hi = jnp.int32(0), jnp.int32(batch)  # the answer lies in [lo, hi]
-    for _ in range(batch.bit_length()):  # ceil(log2(batch + 1)) halvings
-        mid = (lo + hi + 1) // 2
-        below = start_row(mid) // block_q + mid <= program
-        lo, hi = jnp.where(below, mid, lo), jnp.where(below, hi, mid - 1)
-    b = lo
-    first = start_row(b)
-    end = jnp.where(b < batch, start_row(jnp.minimum(b + 1, batch)), num_tokens)
+    index = jnp.arange(max(16, next_power_of_2(batch + 1)))  # i32[Bp]
+    present = index <= batch
+    starts = jnp.clip(plgpu.load(qsl_ref.at[index], mask=present, other=0), 0, num_tokens)
+    before = present & (index >= 1) & (starts // block_q + index <= program)
+    b = jnp.sum(before.astype(jnp.int32))
+    first = jnp.sum(jnp.where(index == b, starts, 0))
+    end = jnp.where(b < batch, jnp.sum(jnp.where(index == b + 1, starts, 0)), num_tokens)
     return b, program - (first // block_q + b), first, end
 
 
@@ -235,7 +232,8 @@ def _ragged_attention_kernel(
         v = v.astype(compute_dtype)
         if masked:  # a row with weight 0 for a NaN/Inf value row would still get 0 * NaN
             shared = (pos >= shared_lo) & (pos < shared_hi)
-            v = jnp.where(shared[:, None] | (jnp.abs(v) < jnp.inf), v, jnp.zeros_like(v))
+            finite = jnp.abs(v.astype(jnp.float32)) < jnp.inf  # False for NaN and +-Inf
+            v = jnp.where(shared[:, None] | finite, v, jnp.zeros_like(v))
         acc = acc * alpha[:, None] + _dot_nn(p.astype(compute_dtype), v)
         return acc, m_next, l_prev * alpha + p.sum(axis=1)
 
