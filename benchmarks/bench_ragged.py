@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench import (REL_TOL, Settings, _error, _short, _versions, compare, device_info,
+from benchmarks.bench import (Settings, _error, _short, _versions, compare, device_info,
                               measure, measure_copy_bandwidth, smoke_settings)
 from benchmarks.shapes import random_normal
 from pallas_paged import AttentionConfig, decode, paged_attention
@@ -243,7 +243,8 @@ def candidate_configs(shape: RaggedBenchShape, default: AttentionConfig) -> list
                 out.append(dataclasses.replace(default, num_splits=splits, block_k=block_k))
     else:
         for block_q, block_k, warps, stages in [(32, 64, 8, 2), (32, 64, 8, 3), (32, 128, 8, 2),
-                                                (16, 64, 4, 2), (16, 64, 4, 3), (32, 32, 4, 3)]:
+                                                (16, 64, 4, 2), (16, 64, 4, 3), (32, 32, 4, 3),
+                                                (8, 64, 4, 2), (4, 64, 4, 2)]:
             out.append(dataclasses.replace(default, block_q=block_q, block_k=block_k,
                                            num_warps=warps, num_stages=stages))
     return [c for c in dict.fromkeys(out) if c != default]

@@ -21,7 +21,7 @@ import torch
 import pallas_paged as pp
 import torch_ref
 from oracle import oracle_ragged_attention
-from paged_inputs import NP_DTYPES, make_paged, to_numpy, to_torch
+from paged_inputs import make_paged, to_numpy, to_torch
 from pallas_paged.ragged_attention.pallas_triton import kv_tile_plan
 from test_decode import ATOL, IMPLS
 
@@ -81,7 +81,8 @@ def run_torch(problem, **kwargs):
 
 
 def run_oracle(problem, **kwargs):
-    k_cache, v_cache = (np.asarray(c).astype(np.float64) for c in (problem.k_cache, problem.v_cache))
+    k_cache, v_cache = (np.asarray(c).astype(np.float64)
+                        for c in (problem.k_cache, problem.v_cache))
     return oracle_ragged_attention(np.asarray(problem.q).astype(np.float64), k_cache, v_cache,
                                    problem.block_tables, problem.context_lens,
                                    problem.query_start_loc, **kwargs)
@@ -311,7 +312,7 @@ def test_decode_equals_one_token_per_sequence(rng, impl, which):
     torch.testing.assert_close(ref, ref_decode, atol=0, rtol=0)
 
 
-# --- the kernel's plan: causal and window skipping -------------------------------------------------
+# --- the kernel's plan: causal and window skipping ---------------------------------------------
 
 @pytest.mark.parametrize("block_k,num_splits,window", list(itertools.product(
     [16, 32], [1, 3], [None, 1, 16, 21])))
@@ -388,23 +389,38 @@ def test_int64_indices_and_user_jit(rng, impl):
 # --- errors: the same ValueError in torch_ref and pallas_paged -----------------------------------
 
 def _error_cases():
-    """name -> (overrides of the valid problem, message pattern)."""
+    """name -> (overrides of the valid problem of `_error_problem`, message pattern)."""
     def qsl(*values):
         return np.array(values, np.int32)
+
+    def lens(*values):
+        return np.array(values, np.int32)
+
     return {
-        "qsl_first_not_zero": (dict(query_start_loc=qsl(1, 4, 5)), r"query_start_loc\[0\]=1 must be 0"),
-        "qsl_decreasing": (dict(query_start_loc=qsl(0, 4, 3)), r"query_start_loc must be non-decreasing"),
-        "qsl_past_num_tokens": (dict(query_start_loc=qsl(0, 4, 9)), r"query_start_loc\[2\]=9 exceeds num_tokens"),
-        "q_len_over_context": (dict(context_lens=np.array([3, 4], np.int32)), r"q_len of sequence 0 .* exceeds context_lens\[0\]=3"),
-        "qsl_wrong_length": (dict(query_start_loc=qsl(0, 4)), r"query_start_loc.shape=\(2,\) must be \[batch \+ 1\]"),
-        "qsl_float": (dict(query_start_loc=np.array([0.0, 4, 5], np.float32)), r"query_start_loc must be int32"),
-        "qsl_rank": (dict(query_start_loc=qsl(0, 4, 5)[None]), r"query_start_loc must have rank 1"),
-        "negative_length": (dict(context_lens=np.array([-1, 4], np.int32), query_start_loc=qsl(0, 0, 1)), r"context_lens\[0\]=-1 must be >= 0"),
-        "too_long": (dict(context_lens=np.array([99, 4], np.int32)), r"context_lens\[0\]=99 exceeds the table's capacity"),
-        "bad_block_id": (dict(block_tables=np.array([[0, 1, 2], [500, 4, 5]], np.int32)), r"block_tables\[1, 0\]=500 is outside"),
+        "qsl_first_not_zero": (dict(query_start_loc=qsl(1, 4, 5)),
+                               r"query_start_loc\[0\]=1 must be 0"),
+        "qsl_decreasing": (dict(query_start_loc=qsl(0, 4, 3)),
+                           r"query_start_loc must be non-decreasing"),
+        "qsl_past_num_tokens": (dict(query_start_loc=qsl(0, 4, 9)),
+                                r"query_start_loc\[2\]=9 exceeds num_tokens"),
+        "q_len_over_context": (dict(context_lens=lens(3, 4)),
+                               r"q_len of sequence 0 .* exceeds context_lens\[0\]=3"),
+        "qsl_wrong_length": (dict(query_start_loc=qsl(0, 4)),
+                             r"query_start_loc.shape=\(2,\) must be \[batch \+ 1\]"),
+        "qsl_float": (dict(query_start_loc=np.array([0.0, 4, 5], np.float32)),
+                      r"query_start_loc must be int32"),
+        "qsl_rank": (dict(query_start_loc=qsl(0, 4, 5)[None]),
+                     r"query_start_loc must have rank 1"),
+        "negative_length": (dict(context_lens=lens(-1, 4), query_start_loc=qsl(0, 0, 1)),
+                            r"context_lens\[0\]=-1 must be >= 0"),
+        "too_long": (dict(context_lens=lens(99, 4)),
+                     r"context_lens\[0\]=99 exceeds the table's capacity"),
+        "bad_block_id": (dict(block_tables=np.array([[0, 1, 2], [500, 4, 5]], np.int32)),
+                         r"block_tables\[1, 0\]=500 is outside"),
         "head_dim": (dict(q=np.zeros((6, 4, 16), np.float32)), r"head_dim mismatch"),
-        "gqa": (dict(q=np.zeros((6, 3, 32), np.float32)), r"num_heads must be a multiple of num_kv_heads"),
-        "batch": (dict(context_lens=np.array([8], np.int32)), r"context_lens.shape=\(1,\) must be \[batch\]"),
+        "gqa": (dict(q=np.zeros((6, 3, 32), np.float32)),
+                r"num_heads must be a multiple of num_kv_heads"),
+        "batch": (dict(context_lens=lens(8)), r"context_lens.shape=\(1,\) must be \[batch\]"),
     }
 
 
@@ -412,10 +428,8 @@ ERRORS = _error_cases()
 
 
 def _error_problem(rng):
-    problem = make_ragged(rng, [(4, 8), (1, 4)], pad=1, block_size=4)
-    problem.block_tables = problem.block_tables[:, :3] if problem.block_tables.shape[1] >= 3 else \
-        np.pad(problem.block_tables, ((0, 0), (0, 3 - problem.block_tables.shape[1])))
-    return problem
+    """A valid problem: 2 sequences, (q_len, n) = (4, 8) and (1, 4), tables of 3 blocks of 4."""
+    return make_ragged(rng, [(4, 8), (1, 4)], pad=1, block_size=4, max_blocks=3)
 
 
 @pytest.mark.parametrize("case", list(ERRORS))

@@ -97,13 +97,20 @@ def get_heuristic_config(shape: AttentionShape, sm_count: int) -> AttentionConfi
     """A reasonable config for any shape: the fallback of the tuned table.
 
     ``block_q`` covers the average query length (1 for decode, 4 for 4-token speculation), up to
-    128 dot rows for prefill; K/V tiles of 64 tokens (32 for head_dim > 128).
+    128 dot rows for prefill (64 for head_dim > 128); K/V tiles of 64 tokens (32 for head_dim >
+    128), or decode's tile rule when the dots have the minimum 16 rows.
     """
     itemsize = jnp.dtype(shape.cache_dtype).itemsize
     padded_dim = next_power_of_2(shape.head_dim)
     avg_q = max(1, -(-shape.num_tokens // max(shape.batch, 1)))
-    max_block_q = max(1, 128 // next_power_of_2(shape.group))
+    max_rows = 128 if padded_dim <= 128 else 64  # the fp32 accumulator is rows x head_dim
+    max_block_q = max(1, max_rows // next_power_of_2(shape.group))
     block_q = min(next_power_of_2(avg_q), max_block_q)
+    if block_q * shape.group >= 64 and avg_q < 2 * max_block_q:
+        # An average of under two full tiles is usually a mix (a few prefill chunks among many
+        # decodes, as a serving step has): every decode then fills one query of a tile, so
+        # smaller tiles waste fewer dot rows. An estimate until the tuned table has such shapes.
+        block_q //= 2
     rows = max(MIN_DOT_ROWS, next_power_of_2(block_q * shape.group))
     if rows <= MIN_DOT_ROWS:  # decode-like: memory-bound, decode's tile rule
         block_k = max(16, min(128, (16 * 1024) // (padded_dim * itemsize)))
