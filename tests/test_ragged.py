@@ -115,23 +115,23 @@ def test_mixed_batch_matches_torch_ref_and_oracle(rng, impl, dtype):
     problem = make_ragged(rng, MIX, pad=3, num_heads=8, num_kv_heads=2, head_dim=32,
                           block_size=4, dtype=dtype)
     out, lse = assert_matches(problem, impl, dtype, config=CONFIGS[1] if impl == "pallas" else None,
-                              oracle=True)
+                              oracle=dtype == "float32")
     assert (out[-3:] == 0).all() and np.isneginf(lse[-3:]).all()
 
 
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2]], ids=str)  # CONFIGS[1]: above
 def test_kernel_configs(rng, config):
-    problem = make_ragged(rng, MIX, pad=2, num_heads=4, num_kv_heads=2, head_dim=32,
+    problem = make_ragged(rng, MIX, pad=2, num_heads=6, num_kv_heads=2, head_dim=32,
                           block_size=5)
     assert_matches(problem, "pallas", "float32", config=config)
 
 
 @pytest.mark.parametrize("impl,block_size,num_heads,num_kv_heads",
                          [(impl, *case) for impl in IMPLS for case in [(1, 4, 4), (3, 4, 2),
-                                                                       (16, 8, 2)]]
-                         + [("pallas", 3, 6, 2)])
+                                                                       (16, 8, 2)]])
 def test_block_sizes_and_gqa(rng, impl, block_size, num_heads, num_kv_heads):
-    """GQA ratios 1, 2, 4 (and 3); block sizes 1, 3, 16; lengths around the block size."""
+    """GQA ratios 1, 2, 4 (3: `test_kernel_configs`); block sizes 1, 3, 16; lengths around the
+    block size."""
     seqs = [(1, 1), (min(2, block_size), block_size), (2, block_size + 1),
             (5, 2 * block_size + 3), (0, 3)]
     problem = make_ragged(rng, seqs, pad=1, num_heads=num_heads, num_kv_heads=num_kv_heads,
