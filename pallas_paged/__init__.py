@@ -7,25 +7,35 @@ The semantics are those of `torch_ref` (SPEC.md). One folder per operation (``ca
 - `write_kv`: masked scatter of new tokens' K/V into the paged cache (slot -1 writes nothing).
 - `decode`: paged decode attention; ``impl="pallas"`` (the kernel, Triton-lowered on GPU,
   interpret mode elsewhere) or ``impl="xla"`` (plain jnp).
-- `validate_write_inputs`, `validate_decode_inputs`: eager value checks for untrusted inputs.
-- `DecodeConfig`: the kernel's knobs.
+- `paged_attention`: ragged paged attention (``ragged_attention/``), causal over each sequence's
+  new tokens: prefill chunks, speculative decoding and decode in one call; same impls.
+- `validate_write_inputs`, `validate_decode_inputs`, `validate_attention_inputs`: eager value
+  checks for untrusted inputs.
+- `DecodeConfig`, `AttentionConfig`: the kernels' knobs.
 - `shard_decode`, `shard_write_kv`: the same under `jax.shard_map`, kv heads (tensor-parallel) and/or
   sequences (batch-parallel) across devices, with no communication.
 """
 
-from pallas_paged._validation import validate_decode_inputs, validate_write_inputs
+from pallas_paged._validation import (validate_attention_inputs, validate_decode_inputs,
+                                      validate_write_inputs)
 from pallas_paged.cache_write.api import write_kv
 from pallas_paged.cache_write.fp8 import quantize_fp8
 from pallas_paged.decode_attention.api import decode
 from pallas_paged.decode_attention.configs import DecodeConfig, DecodeShape, get_heuristic_config
+from pallas_paged.ragged_attention.api import paged_attention
+from pallas_paged.ragged_attention.configs import AttentionConfig, AttentionShape
 from pallas_paged.sharding import decode_shardings, shard_decode, shard_write_kv, write_shardings
 
 __all__ = [
     "write_kv",
     "decode",
+    "paged_attention",
     "validate_write_inputs",
     "validate_decode_inputs",
+    "validate_attention_inputs",
     "DecodeConfig",
+    "AttentionConfig",
+    "AttentionShape",
     "DecodeShape",
     "get_heuristic_config",
     "quantize_fp8",

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -287,3 +288,81 @@ def validate_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, *, k
         raise ValueError(
             f"block_tables[{b}, {i}]={tables[b, i]} is outside [0, num_blocks) = [0, {num_blocks})"
             f" in the valid part of row {b} (context_lens[{b}]={lens[b]})")
+
+
+# --- ragged paged attention (`paged_attention`) ---------------------------------------------------
+# Under jit (values unchecked), by construction of both implementations: lengths are clamped as in
+# decode; ``query_start_loc`` entries are clamped into ``[0, num_tokens]``; a query whose position
+# ``n - q_len_b + i`` is negative (``q_len_b > context_lens[b]``) sees no position and gives zeros
+# (lse -inf). A decreasing ``query_start_loc`` gives unspecified rows, every read and write still
+# inside its array.
+
+
+def _per_sequence_query(q, batch: int):
+    """A stand-in for ``q`` with one row per sequence, for the decode checks (shape/dtype only)."""
+    return jax.ShapeDtypeStruct((batch, *_shape(q)[1:]), _dtype(q))
+
+
+def static_validate_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *,
+                              k_scale=None, v_scale=None, **options) -> None:
+    """Trace-time checks of `paged_attention`'s arguments: every decode check (``batch`` taken from
+    ``block_tables``), then ``query_start_loc``'s rank, length and dtype."""
+    static_validate_caches(k_cache, v_cache)
+    _check_rank("q", q, 3)
+    _check_rank("block_tables", block_tables, 2)
+    _check_rank("query_start_loc", query_start_loc, 1)
+    if _dtype(q) not in [jnp.dtype(t) for t in QUERY_DTYPES]:
+        raise ValueError(f"{q.dtype=} must be float32, bfloat16 or float16")
+    _, num_heads, head_dim = _shape(q)
+    _, _, kvh, d = _shape(k_cache)
+    if head_dim != d:
+        raise ValueError(f"head_dim mismatch: {q.shape=} but {k_cache.shape=}")
+    if num_heads % kvh != 0:
+        raise ValueError(
+            f"num_heads must be a multiple of num_kv_heads: {q.shape=} has {num_heads} heads,"
+            f" {k_cache.shape=} has {kvh} kv heads")
+    batch = _shape(block_tables)[0]
+    static_validate_decode(_per_sequence_query(q, batch), k_cache, v_cache, block_tables,
+                           context_lens, k_scale=k_scale, v_scale=v_scale, **options)
+    if _shape(query_start_loc) != (batch + 1,):
+        raise ValueError(
+            f"{query_start_loc.shape=} must be [batch + 1] = ({batch + 1},) ({block_tables.shape=})")
+    _check_int("query_start_loc", query_start_loc)
+
+
+def validate_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *,
+                              k_scale=None, v_scale=None, **options) -> None:
+    """Eager checks of `paged_attention`'s arguments: the static checks, the decode value checks,
+    then ``query_start_loc``'s values.
+
+    Raises:
+      ValueError: everything `validate_decode_inputs` refuses; ``query_start_loc[0] != 0``, a
+        decreasing ``query_start_loc``, ``query_start_loc[batch] > num_tokens``, or a sequence with
+        more new tokens than cached ones (``q_len_b > context_lens[b]``); or any static check.
+    """
+    static_validate_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                              k_scale=k_scale, v_scale=v_scale, **options)
+    batch = _shape(block_tables)[0]
+    validate_decode_inputs(_per_sequence_query(q, batch), k_cache, v_cache, block_tables,
+                           context_lens, k_scale=k_scale, v_scale=v_scale, **options)
+    starts = np.asarray(query_start_loc).astype(np.int64)
+    if starts[0] != 0:
+        raise ValueError(f"query_start_loc[0]={starts[0]} must be 0")
+    q_lens = np.diff(starts)
+    if (q_lens < 0).any():
+        (b,) = _first(q_lens < 0)
+        raise ValueError(
+            f"query_start_loc must be non-decreasing, got query_start_loc[{b}]={starts[b]} >"
+            f" query_start_loc[{b + 1}]={starts[b + 1]}")
+    num_tokens = _shape(q)[0]
+    if starts[batch] > num_tokens:
+        raise ValueError(
+            f"query_start_loc[{batch}]={starts[batch]} exceeds num_tokens = q.shape[0] ="
+            f" {num_tokens} ({q.shape=})")
+    lens = np.asarray(context_lens).astype(np.int64)
+    if (q_lens > lens).any():
+        (b,) = _first(q_lens > lens)
+        raise ValueError(
+            f"q_len of sequence {b} = query_start_loc[{b + 1}] - query_start_loc[{b}] ="
+            f" {q_lens[b]} exceeds context_lens[{b}]={lens[b]}: the new tokens are part of the"
+            " context (they are written before attention)")

@@ -5,7 +5,8 @@ XLA path, the Pallas kernels): plain numpy in float64, reading the cache positio
 through the block table. Everything takes and returns numpy arrays (any float dtype numpy or
 ml_dtypes knows, fp8 included).
 
-- `oracle_paged_attention`: decode attention with every extension, in float64.
+- `oracle_ragged_attention`: ragged paged attention (causal over each sequence's new tokens) with
+  every extension, in float64; `oracle_paged_attention` is its one-query-per-sequence case, decode.
 - `oracle_write_kv`: the cache write as a loop over tokens; give it raw-bit views (e.g.
   ``t.view(torch.int16).numpy()``) and compare the result bit for bit.
 - `oracle_quantize_fp8` / `fp8_e4m3fn_to_float`: the fp8 store (fp32 division, clamp to +-448,
@@ -23,6 +24,7 @@ __all__ = [
     "fp8_e4m3fn_to_float",
     "oracle_paged_attention",
     "oracle_quantize_fp8",
+    "oracle_ragged_attention",
     "oracle_write_kv",
 ]
 
@@ -40,31 +42,55 @@ def _float64(x) -> np.ndarray:
 def oracle_paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, *,
                            logits_soft_cap=None, alibi_slopes=None, sliding_window=None,
                            sinks=None, k_scale=None, v_scale=None):
-    """Paged decode attention of SPEC.md in float64.
-
-    For sequence ``b`` with ``n = context_lens[b]``, position ``p`` lives in physical block
-    ``block_tables[b, p // block_size]`` at row ``p % block_size``; query head ``h`` uses kv head
-    ``h // (H // KVH)``. Only the positions that take part are ever read (the newest ``min(W, n)``
-    with a sliding window), so nothing else of the cache or of the table is touched: unused slots
-    may hold NaN and table tails garbage ids. One sequence at a time, vectorized over its heads
-    and positions; the softmax is taken against its maximum (the sink included).
+    """Paged decode attention of SPEC.md in float64: `oracle_ragged_attention` with one query per
+    sequence (``query_start_loc = arange(B + 1)``), SPEC's definition of decode.
 
     Args:
-      q: ``[B, H, D]`` floats.
+      q: ``[B, H, D]`` floats; the rest as `oracle_ragged_attention`.
+
+    Returns:
+      ``(out [B, H, D] float64, lse [B, H] float64)``; zero-length rows give zeros and ``-inf``.
+    """
+    batch = np.shape(q)[0]
+    return oracle_ragged_attention(
+        q, k_cache, v_cache, block_tables, context_lens, np.arange(batch + 1), scale,
+        logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+        sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+
+
+def oracle_ragged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                            scale=None, *, logits_soft_cap=None, alibi_slopes=None,
+                            sliding_window=None, sinks=None, k_scale=None, v_scale=None):
+    """Ragged paged attention of SPEC.md in float64.
+
+    Sequence ``b`` with ``n = context_lens[b]`` owns the rows ``query_start_loc[b] ..
+    query_start_loc[b + 1] - 1`` of ``q``; its query ``i`` sits at position
+    ``p = n - q_len_b + i`` and sees the positions ``j <= p`` (with a window, ``j > p - W``).
+    Position ``j`` lives in physical block ``block_tables[b, j // block_size]`` at row
+    ``j % block_size``; query head ``h`` uses kv head ``h // (H // KVH)``; ALiBi adds
+    ``slope[h] * (j - p)``. Only positions that some query of the sequence sees are read, so
+    nothing else of the cache or of the table is touched: unused slots may hold NaN and table tails
+    garbage ids. One sequence at a time, vectorized over its queries, heads and positions; each
+    row's softmax is taken against its maximum (the sink included). Rows past
+    ``query_start_loc[B]`` stay zeros and ``-inf``.
+
+    Args:
+      q: ``[num_tokens, H, D]`` floats.
       k_cache, v_cache: ``[num_blocks, block_size, KVH, D]`` floats (fp8 codes as
         ``ml_dtypes.float8_e4m3fn`` or already decoded, e.g. ``cache.float().numpy()``): numpy,
         or any array that numpy integer arrays index, such as a JAX device array, of which only
         the rows read are fetched (a cache of many GB costs what its sequences read).
       block_tables: ``[B, max_blocks]`` ints. context_lens: ``[B]`` ints.
+      query_start_loc: ``[B + 1]`` ints.
       scale: None means ``1 / sqrt(D)``.
       logits_soft_cap, alibi_slopes ``[H]``, sliding_window, sinks ``[H]``, k_scale, v_scale: as in
         SPEC.md's Extensions (the fp8 scales multiply the stored values).
 
     Returns:
-      ``(out [B, H, D] float64, lse [B, H] float64)``; zero-length rows give zeros and ``-inf``.
+      ``(out [num_tokens, H, D] float64, lse [num_tokens, H] float64)``.
     """
     q = _float64(q)
-    batch, num_heads, head_dim = q.shape
+    num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     if scale is None:
@@ -75,33 +101,38 @@ def oracle_paged_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     sink = None if sinks is None else _float64(sinks).reshape(num_heads)
     tables = np.asarray(block_tables).astype(np.int64)
     lens = np.asarray(context_lens).astype(np.int64)
-    out = np.zeros((batch, num_heads, head_dim), dtype=np.float64)
-    lse = np.full((batch, num_heads), -np.inf, dtype=np.float64)
-    for b in range(batch):
-        n = int(lens[b])
-        first = 0 if sliding_window is None else max(0, n - int(sliding_window))
-        positions = np.arange(first, max(n, 0), dtype=np.int64)
-        if positions.size == 0:
-            continue  # n == 0: zeros and -inf, with or without a sink
+    starts = np.asarray(query_start_loc).astype(np.int64)
+    out = np.zeros((num_tokens, num_heads, head_dim), dtype=np.float64)
+    lse = np.full((num_tokens, num_heads), -np.inf, dtype=np.float64)
+    for b in range(len(lens)):
+        n, lo, hi = int(lens[b]), int(starts[b]), int(starts[b + 1])
+        if hi <= lo or n <= 0:
+            continue
+        query_pos = np.arange(n - (hi - lo), n, dtype=np.int64)        # [Q]
+        first = 0 if sliding_window is None else max(0, int(query_pos[0]) - int(sliding_window) + 1)
+        positions = np.arange(first, n, dtype=np.int64)                  # [P]
+        seen = positions[None, :] <= query_pos[:, None]                  # [Q, P]
+        if sliding_window is not None:
+            seen &= positions[None, :] > (query_pos - int(sliding_window))[:, None]
         blocks, rows = tables[b, positions // block_size], positions % block_size
-        keys = _float64(k_cache[blocks, rows]) * k_mult     # [P, KVH, D]
-        values = _float64(v_cache[blocks, rows]) * v_mult   # [P, KVH, D]
-        keys = np.repeat(keys, group, axis=1)               # [P, H, D]: head h reads h // group
-        values = np.repeat(values, group, axis=1)
-        s = np.einsum("hd,phd->hp", q[b], keys) * scale     # [H, P]
+        keys = np.repeat(_float64(k_cache[blocks, rows]) * k_mult, group, axis=1)    # [P, H, D]
+        values = np.repeat(_float64(v_cache[blocks, rows]) * v_mult, group, axis=1)  # [P, H, D]
+        s = np.einsum("qhd,phd->qhp", q[lo:hi], keys) * scale           # [Q, H, P]
         if logits_soft_cap is not None:
             s = logits_soft_cap * np.tanh(s / logits_soft_cap)
         if slopes is not None:
-            s = s + slopes[:, None] * (positions - (n - 1))[None, :]
-        m = s.max(axis=1)
+            s = s + slopes[None, :, None] * (positions[None, :] - query_pos[:, None])[:, None, :]
+        s = np.where(seen[:, None, :], s, -np.inf)
+        m = s.max(axis=2)                                                # [Q, H]
         if sink is not None:
-            m = np.maximum(m, sink)
-        weights = np.exp(s - m[:, None])                    # [H, P]
-        denom = weights.sum(axis=1)
+            m = np.maximum(m, sink[None, :])
+        weights = np.where(seen[:, None, :], np.exp(s - m[..., None]), 0.0)
+        denom = weights.sum(axis=2)
         if sink is not None:
-            denom = denom + np.exp(sink - m)
-        out[b] = np.einsum("hp,phd->hd", weights, values) / denom[:, None]
-        lse[b] = m + np.log(denom)
+            denom = denom + np.exp(sink[None, :] - m)
+        values = np.where(seen.any(axis=0)[:, None, None], values, 0.0)  # unseen rows never enter
+        out[lo:hi] = np.einsum("qhp,phd->qhd", weights, values) / denom[..., None]
+        lse[lo:hi] = m + np.log(denom)
     return out, lse
 
 

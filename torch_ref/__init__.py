@@ -5,9 +5,13 @@ Clear before fast: every other implementation is judged against these functions.
 - `write_kv`: store new tokens' K/V at their physical slots (slot -1 = padding, writes nothing).
 - `paged_decode_attention`: one query per sequence over its paged K/V.
 - `dense_decode_attention`: the same over contiguous K/V, the self-check for paging.
+- `paged_attention`: ragged paged attention, causal over each sequence's new tokens (prefill
+  chunks, speculative decoding and decode in one call).
 """
 
 from torch_ref.attention import dense_decode_attention, paged_decode_attention
 from torch_ref.cache import quantize_fp8, write_kv
+from torch_ref.ragged import paged_attention
 
-__all__ = ["write_kv", "paged_decode_attention", "dense_decode_attention", "quantize_fp8"]
+__all__ = ["write_kv", "paged_decode_attention", "dense_decode_attention", "quantize_fp8",
+           "paged_attention"]

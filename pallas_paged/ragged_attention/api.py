@@ -1,0 +1,146 @@
+"""Ragged paged attention, the public function: validate, pick the implementation, call it.
+
+Implementations: ``impl="pallas"`` (``pallas_triton.py``, a Pallas kernel lowered through Triton on
+GPU, interpret mode elsewhere) and ``impl="xla"`` (``xla.py``, plain jnp). `torch_ref` defines the
+semantics (SPEC.md, "Ragged paged attention").
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_paged import _validation
+from pallas_paged._platform import (device_kind, kernel_addresses_overflow, resolve_interpret,
+                                    sm_count, without_triton_deprecation)
+from pallas_paged.ragged_attention import configs
+from pallas_paged.ragged_attention.configs import AttentionConfig, AttentionShape
+from pallas_paged.ragged_attention.pallas_triton import paged_attention_pallas
+from pallas_paged.ragged_attention.xla import paged_attention_xla
+
+ATTENTION_IMPLS = ("pallas", "xla")
+
+
+def attention_shape(q, k_cache, block_tables) -> AttentionShape:
+    """The static facts of a call that its kernel config depends on."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    return AttentionShape(num_tokens=num_tokens, batch=block_tables.shape[0], num_kv_heads=kvh,
+                          group=num_heads // kvh, head_dim=head_dim, block_size=block_size,
+                          capacity=block_tables.shape[1] * block_size,
+                          cache_dtype=jnp.dtype(k_cache.dtype).name)
+
+
+@without_triton_deprecation
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "logits_soft_cap", "sliding_window", "k_scale", "v_scale",
+                     "return_lse", "impl", "interpret", "config"))
+def paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    query_start_loc: jax.Array,
+    scale: float | None = None,
+    *,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
+    sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    return_lse: bool = False,
+    impl: str = "pallas",
+    interpret: bool | None = None,
+    config: AttentionConfig | None = None,
+):
+    """Ragged paged attention: each sequence's new tokens, causally, over its paged K/V.
+
+    The semantics are `torch_ref.paged_attention`'s (SPEC.md): sequence ``b`` owns the query rows
+    ``q[query_start_loc[b] : query_start_loc[b + 1]]`` (``q_len_b``, 0 allowed) and
+    ``n = context_lens[b]`` cached tokens including them, in the first ``ceil(n / block_size)``
+    blocks of ``block_tables[b]`` (the rest of the row is never read). Query ``i`` sits at
+    position ``p = n - q_len_b + i`` and sees the positions ``j <= p`` (with a window ``W``, only
+    ``j > p - W``); query head ``h`` uses kv head ``h // (num_heads // num_kv_heads)``; scores,
+    softmax and the weighted sum are fp32, the output is cast once to ``q.dtype``. Optional, in
+    this order: ``s * scale`` -> soft-cap -> ALiBi (``slope[h] * (j - p)``) -> sliding window ->
+    softmax with sink. Rows at or past ``query_start_loc[batch]`` (padding) are zeros.
+    ``decode(q, ...)`` equals ``paged_attention(q, ..., query_start_loc=arange(batch + 1))``.
+
+    Example, a prefill chunk, a 3-token speculation and a decode in one call::
+
+        # sequence 0: 4 new tokens over 6 cached before them (n = 10), positions 6..9
+        # sequence 1: 3 new tokens, n = 20, positions 17..19;  sequence 2: 1 new token, n = 7
+        query_start_loc = jnp.array([0, 4, 7, 8], jnp.int32)   # q has >= 8 rows; rest padding
+        context_lens = jnp.array([10, 20, 7], jnp.int32)
+        out = paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+
+    Args:
+      q: ``[num_tokens, num_heads, head_dim]``, fp32 / bf16 / fp16: the new tokens of every
+        sequence packed in batch order, then any padding rows.
+      k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, fp32 / bf16 / fp16 /
+        float8_e4m3fn (then with ``k_scale`` / ``v_scale``), already holding the new tokens.
+      block_tables: ``i32[batch, max_blocks]``.
+      context_lens: ``i32[batch]``, each in ``[q_len_b, max_blocks * block_size]``.
+      query_start_loc: ``i32[batch + 1]``, non-decreasing from 0, the last entry ``<= num_tokens``.
+      scale: softmax scale, static; None means ``1 / sqrt(head_dim)``.
+      logits_soft_cap: static ``cap > 0``: ``s = cap * tanh(s / cap)``.
+      alibi_slopes: ``f32[num_heads]``: ``s += slope[h] * (j - p)``.
+      sliding_window: static ``W >= 1``; the kernel does not read tiles wholly outside the window.
+      sinks: ``f32[num_heads]``, one extra logit per head in the softmax denominator.
+      k_scale, v_scale: static per-tensor dequantization scales of an fp8 cache.
+      return_lse: also return ``lse f32[num_tokens, num_heads]`` (``-inf`` for padding rows).
+      impl: ``"pallas"`` (the kernel) or ``"xla"`` (plain jnp, for small problems: it holds
+        ``f32[num_tokens, max_blocks * block_size, num_kv_heads, head_dim]`` for K and for V).
+      interpret: Pallas interpret mode; None means exactly when there is no GPU backend.
+      config: kernel knobs (`AttentionConfig`); None takes the tuned table's entry for this shape
+        class, or the heuristic.
+
+    Returns:
+      ``out [num_tokens, num_heads, head_dim]`` in ``q.dtype``, or ``(out, lse)`` with
+      ``return_lse``.
+
+    Raises:
+      ValueError: at trace time, for wrong ranks, shapes or dtypes (``query_start_loc`` must be
+        ``[batch + 1]``), ``num_heads % num_kv_heads``, bad options or an unknown ``impl``. Values
+        are not checked (they cannot raise under jit): see `validate_attention_inputs`, which
+        refuses a ``query_start_loc`` not starting at 0, decreasing or past ``num_tokens`` and
+        ``q_len_b > context_lens[b]``, and the module docstring of `pallas_paged._validation` for
+        what jit does with such values.
+    """
+    options = dict(scale=scale, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+                   sliding_window=sliding_window, sinks=sinks)
+    _validation.static_validate_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                          query_start_loc, k_scale=k_scale, v_scale=v_scale,
+                                          **options)
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {ATTENTION_IMPLS}")
+    if impl == "pallas" and kernel_addresses_overflow(k_cache.shape, k_cache.dtype):
+        raise ValueError(
+            f"impl='pallas' cannot address a {jnp.dtype(k_cache.dtype).name} cache of 2**31 to"
+            f" 2**32 elements ({k_cache.shape=}; Triton offsets stay 32-bit below 2**32 bytes):"
+            " use impl='xla', or a cache of fewer than 2**31 or more than 2**32 elements")
+    if config is not None and not isinstance(config, AttentionConfig):
+        raise ValueError(f"config must be an AttentionConfig or None, got {type(config).__name__}")
+    num_tokens, num_heads, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    options.update(scale=scale, k_scale=k_scale, v_scale=v_scale)
+    if num_tokens == 0 or block_tables.shape[0] == 0:  # nothing to attend: all rows are padding
+        out = jnp.zeros(q.shape, q.dtype)
+        lse = jnp.full((num_tokens, num_heads), -jnp.inf, jnp.float32)
+    elif impl == "xla":
+        out, lse = paged_attention_xla(q, k_cache, v_cache, block_tables, context_lens,
+                                       query_start_loc, **options)
+    else:
+        if config is None:
+            config = configs.lookup(attention_shape(q, k_cache, block_tables), device_kind(),
+                                    sm_count())
+        out, lse = paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens,
+                                          query_start_loc, config=config,
+                                          interpret=resolve_interpret(interpret), **options)
+    return (out, lse) if return_lse else out

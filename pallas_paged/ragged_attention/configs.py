@@ -1,0 +1,144 @@
+"""Knobs of the Pallas ragged-attention kernel: a frozen, hashable config, the heuristic that picks
+one, and the table of configs tuned on real devices.
+
+The static facts of a call are its token count, batch, GQA group, head_dim, block size, table
+capacity and cache dtype; the per-sequence query lengths are values, unknown at trace time, so
+the heuristic reads the average ``num_tokens / batch``. A shape class rounds these facts up to
+powers of two. The table is keyed by the device kind JAX reports (``"NVIDIA H200"``); entries are
+measured with ``python -m benchmarks.bench_ragged``. It starts empty: on any device, and for any
+shape class not in it, `lookup` returns the heuristic config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from pallas_paged._platform import next_power_of_2
+
+MIN_DOT_ROWS = 16  # the smallest M of a Triton dot
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Static knobs of the ragged paged-attention kernel (hashable: a static jit argument).
+
+    Attributes:
+      block_q: query tokens per program (a power of two >= 1). With the GQA group they share the
+        M dimension of the kernel's dots: ``M = max(16, next_power_of_2(block_q * group))`` rows.
+      block_k: K/V tokens per tile (a power of two >= 16), gathered token by token through the
+        block table, so any ``block_size`` works.
+      num_splits: KV splits per query tile (split-K, for few query tiles over long contexts);
+        1 means no split and no merge step.
+      num_warps: warps per program (a power of two).
+      num_stages: software-pipelining depth of the tile loops.
+    """
+
+    block_q: int = 16
+    block_k: int = 64
+    num_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "num_splits", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AttentionConfig.{name}={value!r} must be a positive int")
+        if self.block_q & (self.block_q - 1):
+            raise ValueError(f"AttentionConfig.block_q={self.block_q} must be a power of two")
+        if self.block_k < 16 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"AttentionConfig.block_k={self.block_k} must be a power of two >= 16")
+        if self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"AttentionConfig.num_warps={self.num_warps} must be a power of two")
+
+    def dot_rows(self, group: int) -> int:
+        """M of the kernel's dots: ``block_q`` tokens x ``group`` heads, padded."""
+        return max(MIN_DOT_ROWS, next_power_of_2(self.block_q * group))
+
+    def query_tiles(self, num_tokens: int, batch: int) -> int:
+        """The static grid's query axis: an upper bound of the tiles of any ``query_start_loc``.
+
+        Sequence ``b`` (and the padding rows, as a sequence ``batch``) takes the programs from
+        ``query_start_loc[b] // block_q + b`` on, ``ceil(q_len_b / block_q)`` of them; these
+        ranges never overlap and all end below ``ceil(num_tokens / block_q) + batch``.
+        """
+        return -(-num_tokens // self.block_q) + batch
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """The static facts a config depends on (all known at trace time)."""
+
+    num_tokens: int
+    batch: int
+    num_kv_heads: int
+    group: int          # query heads per kv head
+    head_dim: int
+    block_size: int
+    capacity: int       # max_blocks * block_size
+    cache_dtype: str    # e.g. "bfloat16"
+
+
+def _num_splits(shape: AttentionShape, block_q: int, block_k: int, sm_count: int) -> int:
+    """About four programs per multiprocessor, as decode's heuristic (measured there: 512-1024
+    programs on the 132-SM H200), without splits shorter than 4 tiles. The active query tiles
+    are about ``ceil(num_tokens / block_q)``."""
+    programs = max(-(-shape.num_tokens // block_q) * shape.num_kv_heads, 1)
+    wanted = (4 * sm_count) / programs
+    splits = 1 << max(0, round(math.log2(wanted))) if wanted > 1 else 1
+    max_useful = max(1, shape.capacity // (4 * block_k))
+    return max(1, min(splits, max_useful, 64))
+
+
+def get_heuristic_config(shape: AttentionShape, sm_count: int) -> AttentionConfig:
+    """A reasonable config for any shape: the fallback of the tuned table.
+
+    ``block_q`` covers the average query length (1 for decode, 4 for 4-token speculation), up to
+    128 dot rows for prefill (64 for head_dim > 128); K/V tiles of 64 tokens (32 for head_dim >
+    128), or decode's tile rule when the dots have the minimum 16 rows.
+    """
+    itemsize = jnp.dtype(shape.cache_dtype).itemsize
+    padded_dim = next_power_of_2(shape.head_dim)
+    avg_q = max(1, -(-shape.num_tokens // max(shape.batch, 1)))
+    max_rows = 128 if padded_dim <= 128 else 64  # the fp32 accumulator is rows x head_dim
+    max_block_q = max(1, max_rows // next_power_of_2(shape.group))
+    block_q = min(next_power_of_2(avg_q), max_block_q)
+    if block_q * shape.group >= 64 and avg_q < 2 * max_block_q:
+        # An average of under two full tiles is usually a mix (a few prefill chunks among many
+        # decodes, as a serving step has): every decode then fills one query of a tile, so
+        # smaller tiles waste fewer dot rows. An estimate until the tuned table has such shapes.
+        block_q //= 2
+    rows = max(MIN_DOT_ROWS, next_power_of_2(block_q * shape.group))
+    if rows <= MIN_DOT_ROWS:  # decode-like: memory-bound, decode's tile rule
+        block_k = max(16, min(128, (16 * 1024) // (padded_dim * itemsize)))
+    else:
+        block_k = 64 if padded_dim <= 128 else 32
+    block_k = min(block_k, max(16, next_power_of_2(shape.capacity)))
+    return AttentionConfig(
+        block_q=block_q,
+        block_k=block_k,
+        num_splits=_num_splits(shape, block_q, block_k, sm_count),
+        num_warps=8 if rows >= 128 or padded_dim > 128 else 4,
+        num_stages=2,
+    )
+
+
+# device kind -> shape class -> config, measured with `python -m benchmarks.bench_ragged`.
+TUNED: dict[str, dict[tuple, AttentionConfig]] = {}
+
+
+def shape_class(shape: AttentionShape) -> tuple:
+    """The key a shape is looked up under: its static facts rounded up to powers of two."""
+    return (shape.cache_dtype, next_power_of_2(shape.head_dim), next_power_of_2(shape.group),
+            shape.block_size, next_power_of_2(shape.batch), next_power_of_2(shape.num_tokens),
+            next_power_of_2(shape.capacity))
+
+
+def lookup(shape: AttentionShape, device_kind: str, sm_count: int) -> AttentionConfig:
+    """The tuned config of ``shape``'s class on a device of kind ``device_kind``, else the
+    heuristic one."""
+    config = TUNED.get(device_kind, {}).get(shape_class(shape))
+    return config if config is not None else get_heuristic_config(shape, sm_count)

@@ -1,0 +1,333 @@
+"""Ragged paged attention, the Pallas Triton kernel: ``paged_attention(..., impl="pallas")``.
+
+Read top to bottom (the public function is `pallas_paged.ragged_attention.api.paged_attention`):
+
+1. `find_query_tile` maps a program to its work. The grid is static, so its query axis covers an
+   upper bound of the query tiles of any ``query_start_loc``: sequence ``b`` owns the programs
+   ``query_start_loc[b] // block_q + b`` onwards, one per ``block_q`` of its new tokens, and the
+   padding rows past ``query_start_loc[batch]`` form a last pseudo-sequence ``batch`` whose
+   programs write zeros. A program finds its sequence by a binary search over the small
+   ``query_start_loc``; programs in the gaps between sequences' ranges have no rows and return.
+2. `_ragged_attention_kernel` works on refs only. One program owns one (query tile, kv head, KV
+   split): ``block_q`` query tokens x the ``group`` query heads of its kv head share the M
+   dimension of both dots (padded to at least 16 rows), so every K/V row is read once per tile.
+   It walks the K/V tiles of its split between the window start of its first query and its last
+   query's position (causal and window skipping: nothing past the tile's last query position is
+   read, nor any tile wholly outside the window), gathering each token's row through the block
+   table, with an online softmax in fp32. Tiles that every query of the tile sees whole need no
+   mask and take a cheaper loop; the others (the diagonal, the window's edge) are masked per
+   (row, position).
+3. `paged_attention_pallas` builds the grid ``(query tiles, num_kv_heads, num_splits)``, calls
+   ``pallas_call`` and, when the KV axis is split, merges the partial ``(o, m, l)`` results with
+   decode's `_merge_splits`.
+
+Safety, by construction rather than by validation (values cannot raise under jit):
+
+- ``query_start_loc`` entries are clamped into ``[0, num_tokens]``, lengths into
+  ``[0, max_blocks * block_size]``; table entries are loaded only for positions ``< n`` and every
+  loaded block id is clamped into ``[0, num_blocks)`` before it becomes an address.
+- K and V rows of positions outside a tile's visible range are not loaded (masked loads give 0)
+  and their scores are ``-inf``. In masked tiles, a V row that only some of the tile's queries see
+  has non-finite entries replaced by 0 before the ``p @ v`` dot: a query whose weight for it is 0
+  would otherwise get ``0 * NaN``. So NaN at a position after a query's own (or outside its
+  window) cannot reach that query's row (invariant I8).
+- Padding rows and rows that see no position give zeros and ``lse = -inf``, never NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_paged._platform import next_power_of_2
+from pallas_paged.decode_attention.pallas_triton import (FP16_SAFE_MAX, _dot_nn, _dot_nt,
+                                                         _merge_splits, dot_dtype)
+from pallas_paged.ragged_attention.configs import AttentionConfig
+
+
+def find_query_tile(program, qsl_ref, *, batch: int, num_tokens: int, block_q: int):
+    """The query tile of grid program ``program`` (an int32 scalar).
+
+    Sequence ``b`` (``b == batch``: the padding rows ``[query_start_loc[batch], num_tokens)``)
+    owns the programs ``start(b) = query_start_loc[b] // block_q + b`` to
+    ``start(b) + ceil(q_len_b / block_q) - 1``. ``start`` is increasing, so the program's sequence
+    is the number of ``b in [1, batch]`` with ``start(b) <= program``: one vector load of the
+    small ``query_start_loc`` and a sum (no chain of dependent scalar loads, as a binary search
+    would take). Its tile is ``program - start(b)``, which may lie past the sequence's last tile
+    (a gap program, with no rows).
+
+    Args:
+      qsl_ref: ``i32[batch + 1]``, the query start locations (any values: they are clamped into
+        ``[0, num_tokens]``).
+
+    Returns:
+      ``(b, tile, first, end)`` as int32 scalars: the sequence, the tile index within it, and the
+      sequence's rows ``[first, end)`` of ``q`` (``end = num_tokens`` for ``b == batch``).
+    """
+    index = jnp.arange(max(16, next_power_of_2(batch + 1)))  # i32[Bp]
+    present = index <= batch
+    starts = jnp.clip(plgpu.load(qsl_ref.at[index], mask=present, other=0), 0, num_tokens)
+    before = present & (index >= 1) & (starts // block_q + index <= program)
+    b = jnp.sum(before.astype(jnp.int32))
+    first = jnp.sum(jnp.where(index == b, starts, 0))
+    end = jnp.where(b < batch, jnp.sum(jnp.where(index == b + 1, starts, 0)), num_tokens)
+    return b, program - (first // block_q + b), first, end
+
+
+def kv_tile_plan(first_pos, tile_queries, n, split, *, block_k: int, num_splits: int,
+                 window: int | None):
+    """The K/V tiles one program walks, and where they need masks.
+
+    The tile's queries sit at positions ``first_pos .. first_pos + tile_queries - 1`` (of a
+    sequence of ``n`` tokens). Some query sees the positions ``[key_lo, key_hi)``: from the window
+    start of the first query (0 without a window) to the last query's position, inclusive. Every
+    query sees ``[shared_lo, shared_hi)``: from the window start of the last query to the first
+    query's position. Tiles of ``block_k`` positions wholly inside the shared range need no mask.
+    The tiles ``key_lo // block_k .. ceil(key_hi / block_k) - 1`` are split into ``num_splits``
+    equal contiguous shares; this program (split ``split``) walks its share, in three ranges:
+    masked tiles before the shared ones (a window's edge), unmasked shared tiles, masked tiles
+    after them (the diagonal). Nothing past ``key_hi`` and no tile wholly before ``key_lo`` is
+    visited. A program with no queries (``tile_queries == 0``) visits nothing.
+
+    Returns:
+      ``(key_lo, key_hi, shared_lo, shared_hi, loops)``: int32 scalars and three ``(lo, hi)``
+      tile ranges with ``lo <= hi``.
+    """
+    last_pos = first_pos + tile_queries - 1
+    key_lo = jnp.int32(0) if window is None else jnp.maximum(first_pos - window + 1, 0)
+    key_hi = jnp.where(tile_queries > 0, jnp.clip(last_pos + 1, 0, n), 0)
+    key_hi = jnp.maximum(key_hi, key_lo)
+    shared_lo = jnp.int32(0) if window is None else jnp.maximum(last_pos - window + 1, 0)
+    shared_hi = jnp.clip(first_pos + 1, 0, n)
+    tile_lo = key_lo // block_k
+    tile_hi = jnp.where(key_hi > key_lo, (key_hi + block_k - 1) // block_k, tile_lo)
+    full_lo = jnp.clip((shared_lo + block_k - 1) // block_k, tile_lo, tile_hi)
+    full_hi = jnp.clip(shared_hi // block_k, full_lo, tile_hi)
+    lo, hi = tile_lo, tile_hi
+    if num_splits > 1:
+        per_split = (tile_hi - tile_lo + num_splits - 1) // num_splits
+        lo = tile_lo + split * per_split
+        hi = jnp.maximum(jnp.minimum(lo + per_split, tile_hi), lo)
+    edge = (lo, jnp.maximum(jnp.minimum(hi, full_lo), lo))
+    full_start = jnp.maximum(lo, full_lo)
+    full = (full_start, jnp.maximum(jnp.minimum(hi, full_hi), full_start))
+    diagonal_start = jnp.maximum(lo, full_hi)
+    diagonal = (diagonal_start, jnp.maximum(hi, diagonal_start))
+    return key_lo, key_hi, shared_lo, shared_hi, (edge, full, diagonal)
+
+
+def _ragged_attention_kernel(
+    qsl_ref,     # i32[batch + 1]
+    lens_ref,    # i32[batch]
+    tables_ref,  # i32[batch, max_blocks]
+    q_ref,       # [num_tokens * num_heads, head_dim]  (row t * num_heads + head)
+    k_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (the cache, slot-major)
+    v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]
+    alibi_ref,   # f32[num_heads] or None
+    sinks_ref,   # f32[num_heads] or None
+    *out_refs,   # split:  o f32[num_tokens * kvh * splits * group, head_dim], m, l f32[same rows]
+                 #         (row ((t * kvh + kv_head) * splits + split) * group + g)
+                 # single: o [num_tokens * num_heads, head_dim] in q.dtype, lse f32[num_tokens * num_heads]
+    scale: float,
+    block_size: int,
+    block_q: int,
+    block_k: int,
+    num_splits: int,
+    group: int,
+    dot_rows: int,
+    padded_dim: int,
+    compute_dtype,
+    soft_cap: float | None,
+    window: int | None,
+    k_scale: float | None,
+    v_scale: float | None,
+):
+    program, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    batch = lens_ref.shape[0]
+    head_dim = q_ref.shape[1]
+    num_kv_heads = k_ref.shape[1]
+    num_heads = num_kv_heads * group
+    num_tokens = q_ref.shape[0] // num_heads
+    num_blocks = k_ref.shape[0] // block_size
+    capacity = tables_ref.shape[1] * block_size
+
+    # --- which rows: the tile's tokens and their positions ------------------------------------
+    b, tile, first_row, end_row = find_query_tile(program, qsl_ref, batch=batch,
+                                                  num_tokens=num_tokens, block_q=block_q)
+    table_row = jnp.minimum(b, batch - 1)
+    n = jnp.where(b < batch, jnp.clip(lens_ref[table_row], 0, capacity), 0)
+    q_len = end_row - first_row
+    tile_queries = jnp.clip(q_len - tile * block_q, 0, block_q)  # 0 for gap programs
+    first_pos = n - q_len + tile * block_q  # position of the tile's first query
+
+    rows = jnp.arange(dot_rows)  # [M]: query (rows // group) of the tile, head (rows % group)
+    query, g = rows // group, rows % group
+    row_real = (rows < block_q * group) & (query < tile_queries)
+    token = first_row + tile * block_q + query  # i32[M]
+    row_pos = first_pos + query  # i32[M], each row's position p
+    head = h * group + g
+    cols = jnp.arange(padded_dim)  # [Dp]
+    col_ok = cols < head_dim
+    # Rows that are not real point one past the end: masked off, so never accessed (interpret
+    # mode drops such out-of-range updates, where a duplicate real index would race).
+    q_row = jnp.where(row_real, token * num_heads + head, q_ref.shape[0])
+
+    # --- which K/V tiles: causal and window skipping ------------------------------------------
+    plan = kv_tile_plan(first_pos, tile_queries, n, split, block_k=block_k,
+                        num_splits=num_splits, window=window)
+    key_lo, key_hi, shared_lo, shared_hi, loops = plan
+
+    # --- the tile's queries ---------------------------------------------------------------------
+    q = plgpu.load(q_ref.at[q_row[:, None], cols[None, :]],
+                   mask=row_real[:, None] & col_ok[None, :], other=0)  # [M, Dp]
+    # The fp8 dequantization scales enter here (scores) and after the loops (values) only.
+    score_scale = scale if k_scale is None else scale * k_scale
+    if compute_dtype == jnp.float16 and q_ref.dtype != jnp.float16:
+        # bf16's range is wider than fp16's: divide q by a power of two that brings max |q| under
+        # 2**15 (exact), and multiply the scores back by it.
+        q = q.astype(jnp.float32)
+        q_max = jnp.max(jnp.max(jnp.abs(q), axis=1), axis=0)
+        q_shift = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(q_max / FP16_SAFE_MAX)), 0.0))
+        q = q / q_shift
+        score_scale = score_scale * q_shift
+    q = q.astype(compute_dtype)
+    if alibi_ref is not None:
+        slopes = plgpu.load(alibi_ref.at[head], mask=row_real, other=0)  # f32[M]
+
+    def tile_body(kv_tile, carry, *, masked: bool):
+        acc, m_prev, l_prev = carry  # f32[M, Dp], f32[M], f32[M]
+        pos = kv_tile * block_k + jnp.arange(block_k)  # i32[Tk], logical positions
+        if masked:
+            kv_ok = (pos >= key_lo) & (pos < key_hi)
+            page = jnp.where(kv_ok, pos // block_size, 0)
+            block = plgpu.load(tables_ref.at[table_row, page], mask=kv_ok, other=0)  # i32[Tk]
+            kv_mask = kv_ok[:, None] & col_ok[None, :]
+        else:  # every position of the tile is < n: its table entries are meaningful
+            block = plgpu.load(tables_ref.at[table_row, pos // block_size])  # i32[Tk]
+            kv_mask = None if padded_dim == head_dim else jnp.broadcast_to(
+                col_ok[None, :], (block_k, padded_dim))
+        block = jnp.clip(block, 0, num_blocks - 1)  # a garbage id can never leave the cache
+        slot = block * block_size + pos % block_size  # i32[Tk]
+        fill = None if kv_mask is None else 0.0
+        k = plgpu.load(k_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=fill)  # [Tk, Dp]
+        s = _dot_nt(q, k.astype(compute_dtype)) * score_scale  # f32[M, Tk]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        if alibi_ref is not None:
+            s = s + slopes[:, None] * (pos[None, :] - row_pos[:, None]).astype(jnp.float32)
+        if masked:
+            sees = kv_ok[None, :] & (pos[None, :] <= row_pos[:, None])  # [M, Tk]
+            if window is not None:
+                sees &= pos[None, :] > (row_pos - window)[:, None]
+            s = jnp.where(sees, s, -jnp.inf)
+        m_next = jnp.maximum(m_prev, s.max(axis=1))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # all -inf so far: keep exp finite
+        alpha = jnp.exp(m_prev - m_safe)  # f32[M]
+        p = jnp.exp(s - m_safe[:, None])  # f32[M, Tk], 0 where a row does not see a position
+        v = plgpu.load(v_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=fill)  # [Tk, Dp]
+        v = v.astype(compute_dtype)
+        if masked:  # a row with weight 0 for a NaN/Inf value row would still get 0 * NaN
+            shared = (pos >= shared_lo) & (pos < shared_hi)
+            finite = jnp.abs(v.astype(jnp.float32)) < jnp.inf  # False for NaN and +-Inf
+            v = jnp.where(shared[:, None] | finite, v, jnp.zeros_like(v))
+        acc = acc * alpha[:, None] + _dot_nn(p.astype(compute_dtype), v)
+        return acc, m_next, l_prev * alpha + p.sum(axis=1)
+
+    carry = (jnp.zeros((dot_rows, padded_dim), jnp.float32),
+             jnp.full((dot_rows,), -jnp.inf, jnp.float32),
+             jnp.zeros((dot_rows,), jnp.float32))
+    masked_body = functools.partial(tile_body, masked=True)
+    full_body = functools.partial(tile_body, masked=False)
+    for (lo, hi), body in zip(loops, (masked_body, full_body, masked_body)):
+        carry = jax.lax.fori_loop(lo, hi, body, carry)
+    acc, m, l = carry
+    if v_scale is not None:
+        acc = acc * v_scale
+
+    out_mask = row_real[:, None] & col_ok[None, :]
+    if num_splits > 1:
+        o_ref, m_ref, l_ref = out_refs
+        split_row = ((token * num_kv_heads + h) * num_splits + split) * group + g
+        split_row = jnp.where(row_real, split_row, m_ref.shape[0])
+        plgpu.store(o_ref.at[split_row[:, None], cols[None, :]], acc, mask=out_mask)
+        plgpu.store(m_ref.at[split_row], m, mask=row_real)
+        plgpu.store(l_ref.at[split_row], l, mask=row_real)
+        return
+
+    has_keys = row_real & (row_pos >= 0)  # every real row with p >= 0 sees at least p itself
+    if sinks_ref is not None:
+        sink = plgpu.load(sinks_ref.at[head], mask=row_real, other=0)  # f32[M]
+        m_total = jnp.maximum(m, sink)
+        correction = jnp.exp(m - m_total)
+        acc = acc * correction[:, None]
+        l = l * correction + jnp.exp(sink - m_total)
+        m = m_total
+    o_ref, lse_ref = out_refs
+    ok = has_keys & (l > 0)
+    out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
+    plgpu.store(o_ref.at[q_row[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=out_mask)
+    lse = jnp.where(has_keys, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
+    plgpu.store(lse_ref.at[q_row], lse, mask=row_real)
+
+
+def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *,
+                           scale, config: AttentionConfig, interpret: bool, logits_soft_cap,
+                           alibi_slopes, sliding_window, sinks, k_scale, v_scale):
+    """The kernel over the grid ``(query tiles, num_kv_heads, num_splits)``, then the split merge.
+
+    Arguments as `pallas_paged.paged_attention` (validated, ``scale`` resolved to a float,
+    ``num_tokens >= 1``, ``batch >= 1``).
+
+    Returns:
+      ``(out [num_tokens, num_heads, head_dim] in q.dtype, lse f32[num_tokens, num_heads])``.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, kvh, _ = k_cache.shape
+    batch = block_tables.shape[0]
+    group = num_heads // kvh
+    splits = config.num_splits
+    dot_rows = config.dot_rows(group)
+    padded_dim = max(16, next_power_of_2(head_dim))
+    kernel = functools.partial(
+        _ragged_attention_kernel, scale=scale, block_size=block_size, block_q=config.block_q,
+        block_k=config.block_k, num_splits=splits, group=group, dot_rows=dot_rows,
+        padded_dim=padded_dim, compute_dtype=dot_dtype(q.dtype, k_cache.dtype),
+        soft_cap=logits_soft_cap, window=sliding_window, k_scale=k_scale, v_scale=v_scale)
+    if splits > 1:
+        rows = num_tokens * kvh * splits * group
+        out_shape = (jax.ShapeDtypeStruct((rows, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((rows,), jnp.float32),
+                     jax.ShapeDtypeStruct((rows,), jnp.float32))
+    else:
+        out_shape = (jax.ShapeDtypeStruct((num_tokens * num_heads, head_dim), q.dtype),
+                     jax.ShapeDtypeStruct((num_tokens * num_heads,), jnp.float32))
+    name = (f"pallas_paged_ragged_bq{config.block_q}_bk{config.block_k}_s{splits}_g{group}"
+            f"_d{head_dim}_bs{block_size}")
+    outs = pl.pallas_call(
+        kernel,
+        grid=(config.query_tiles(num_tokens, batch), kvh, splits),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret,
+        name=name,
+    )(query_start_loc.astype(jnp.int32), context_lens.astype(jnp.int32),
+      block_tables.astype(jnp.int32), q.reshape(num_tokens * num_heads, head_dim),
+      k_cache.reshape(num_blocks * block_size, kvh, head_dim),
+      v_cache.reshape(num_blocks * block_size, kvh, head_dim), alibi_slopes, sinks)
+    if splits == 1:
+        out, lse = outs
+        return out.reshape(num_tokens, num_heads, head_dim), lse.reshape(num_tokens, num_heads)
+    o, m, l = outs
+    o = o.reshape(num_tokens, kvh, splits, group, head_dim)
+    m = m.reshape(num_tokens, kvh, splits, group)
+    l = l.reshape(num_tokens, kvh, splits, group)
+    sees_any = (m != -jnp.inf).any(axis=(1, 2, 3)).astype(jnp.int32)  # 0: padding, sees nothing
+    per_head = None if sinks is None else sinks.reshape(kvh, group)
+    out, lse = _merge_splits(o, m, l, sees_any, per_head)
+    return (out.astype(q.dtype).reshape(num_tokens, num_heads, head_dim),
+            lse.reshape(num_tokens, num_heads))

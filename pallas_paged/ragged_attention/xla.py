@@ -1,0 +1,96 @@
+"""Ragged paged attention in plain XLA (readable jnp, fp32 softmax): ``paged_attention(...,
+impl="xla")``.
+
+Each token finds its sequence in ``query_start_loc`` and its position ``p``; each sequence's K/V
+rows are gathered in logical order as in decode (`gather_sequences`), then every token takes its
+own sequence's rows. A (token, position) pair takes part when ``j <= p``, ``j < n`` and, with a
+window, ``j > p - W``. Pairs that do not take part are masked in the scores *and* their K/V rows
+are zeroed for that token (``0 * NaN`` is NaN), so nothing a query does not see can reach it, not
+even NaN at later positions of its own sequence.
+
+Memory: the per-token rows are ``f32[num_tokens, max_blocks * block_size, num_kv_heads, head_dim]``
+for K and for V. This path is the readable counterpart of the kernel, meant for small problems
+and for checking the kernel on subsets of large ones.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_paged.decode_attention.xla import gather_sequences
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def token_positions(query_start_loc, context_lens, num_tokens: int, capacity: int):
+    """Where each query token sits.
+
+    Token ``t`` belongs to the sequence ``b`` with ``query_start_loc[b] <= t <
+    query_start_loc[b + 1]``; tokens at or past ``query_start_loc[batch]`` are padding. Entries of
+    ``query_start_loc`` are clamped into ``[0, num_tokens]`` and lengths into ``[0, capacity]``
+    (what jit does with values it cannot check).
+
+    Returns:
+      ``(seq, pos, n, real)``, each ``[num_tokens]``: ``seq i32`` the token's sequence (clamped
+      into ``[0, batch)`` for padding tokens), ``pos i32`` its position ``n - q_len + i``, ``n
+      i32`` its sequence's clamped length, ``real bool`` false for padding tokens.
+    """
+    batch = context_lens.shape[0]
+    starts = jnp.clip(query_start_loc.astype(jnp.int32), 0, num_tokens)  # [B + 1]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(starts, t, side="right").astype(jnp.int32) - 1  # in [-1, batch]
+    real = (seq >= 0) & (seq < batch)
+    seq = jnp.clip(seq, 0, batch - 1)
+    n = jnp.clip(context_lens.astype(jnp.int32), 0, capacity)[seq]
+    q_len = starts[seq + 1] - starts[seq]
+    pos = n - q_len + (t - starts[seq])
+    return seq, pos, n, real
+
+
+def paged_attention_xla(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *,
+                        scale: float, logits_soft_cap=None, alibi_slopes=None,
+                        sliding_window=None, sinks=None, k_scale=None, v_scale=None):
+    """Ragged paged attention in plain jnp. Arguments as `pallas_paged.paged_attention`.
+
+    Returns:
+      ``(out [num_tokens, num_heads, head_dim] in q.dtype, lse f32[num_tokens, num_heads])``.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    group = num_heads // kvh
+    capacity = block_tables.shape[1] * block_size
+    seq, pos, n, real = token_positions(query_start_loc, context_lens, num_tokens, capacity)
+    j = jnp.arange(capacity, dtype=jnp.int32)[None, :]
+    visible = real[:, None] & (j <= pos[:, None]) & (j < n[:, None])  # [T, P]
+    if sliding_window is not None:
+        visible &= j > (pos - sliding_window)[:, None]
+    rows = visible[:, :, None, None]
+    k = gather_sequences(k_cache, block_tables, context_lens)[seq].astype(jnp.float32)
+    v = gather_sequences(v_cache, block_tables, context_lens)[seq].astype(jnp.float32)
+    if k_scale is not None:
+        k, v = k * jnp.float32(k_scale), v * jnp.float32(v_scale)
+    k = jnp.where(rows, k, 0.0)  # [T, P, KVH, D]
+    v = jnp.where(rows, v, 0.0)  # [T, P, KVH, D]
+    qg = q.astype(jnp.float32).reshape(num_tokens, kvh, group, head_dim)  # h -> kv head h // group
+    s = jnp.einsum("tkgd,tpkd->tkgp", qg, k, precision=HIGHEST) * jnp.float32(scale)
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+    if alibi_slopes is not None:
+        distance = (j - pos[:, None]).astype(jnp.float32)  # [T, P], j - p
+        s = s + alibi_slopes.reshape(kvh, group)[None, :, :, None] * distance[:, None, None, :]
+    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)  # [T, KVH, G, P]
+    m = s.max(axis=-1)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks.reshape(kvh, group)[None])
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(s - m[..., None])
+    denom = e.sum(axis=-1)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks.reshape(kvh, group)[None] - m)
+    o = jnp.einsum("tkgp,tpkd->tkgd", e, v, precision=HIGHEST)
+    has_rows = visible.any(axis=1)[:, None, None]  # padding rows and rows that see nothing
+    out = jnp.where(has_rows[..., None], o / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+    lse = jnp.where(has_rows, m + jnp.log(denom), -jnp.inf)
+    return (out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype),
+            lse.reshape(num_tokens, num_heads))
