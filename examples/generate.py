@@ -28,13 +28,17 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 
-import numpy as np
+# torch and JAX share the GPU in --bench: keep JAX from taking 75% of it up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from pallas_paged.cache_write.api import WRITE_IMPLS
-from pallas_paged.decode_attention.api import DECODE_IMPLS
+import numpy as np  # noqa: E402
+
+from pallas_paged.cache_write.api import WRITE_IMPLS  # noqa: E402
+from pallas_paged.decode_attention.api import DECODE_IMPLS  # noqa: E402
 
 BF16_REL_ATOL = 0.01   # of max|truth|, the additive term of the bfloat16 logits rule
 FP32_LOGITS_RTOL = 1e-4  # of max|hf|, float32 logits over the steps both token lists agree on
@@ -160,6 +164,8 @@ def hf_teacher_forced_logits(model, prompt, generated, steps):
 
 
 def make_runner(args, model, dtype_name, impl, record_logits):
+    """A `Runner` over ``model``'s weights in ``dtype_name``, its cache sized for ``args``' requests
+    (``--num-blocks``, else room for all of them at once)."""
     import jax.numpy as jnp
 
     from examples import llama
@@ -176,12 +182,10 @@ def make_runner(args, model, dtype_name, impl, record_logits):
                   max_num_seqs=args.max_num_seqs, record_logits=record_logits)
 
 
-def run_jax(args, model, dtype_name, impl, record_logits):
+def make_requests(args):
     from examples.runner import Request
 
-    runner = make_runner(args, model, dtype_name, impl, record_logits)
-    requests = [Request(tuple(p), t) for p, t in zip(args.prompts, args.new_tokens)]
-    return runner, requests
+    return [Request(tuple(p), t) for p, t in zip(args.prompts, args.new_tokens)]
 
 
 def common_prefix(a, b) -> int:
@@ -201,8 +205,8 @@ def compare_hf(args) -> int:
     start = time.perf_counter()
     hf_tokens, hf_logits = hf_generate(hf_model, args.prompts, args.new_tokens)
     hf_s = time.perf_counter() - start
-    runner, requests = run_jax(args, hf_model, args.dtype, args.impl, record_logits=True)
-    outputs, stats = runner.generate(requests)
+    runner = make_runner(args, hf_model, args.dtype, args.impl, record_logits=True)
+    outputs, stats = runner.generate(make_requests(args))
     print(f"model: {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}"
           f" kv, vocab {args.vocab}, {args.dtype}; cache: block size {args.block_size},"
           f" {runner.allocator.num_blocks} blocks; impl={args.impl}")
@@ -252,7 +256,8 @@ def bench(args) -> int:
     total = sum(args.new_tokens)
     rows, tokens_by_impl = [], {}
     for impl in args.impls.split(","):
-        runner, requests = run_jax(args, model, args.dtype, impl, record_logits=False)
+        runner = make_runner(args, model, args.dtype, impl, record_logits=False)
+        requests = make_requests(args)
         runner.generate(requests)                       # compiles every step shape
         outputs, stats = runner.generate(requests)
         tokens_by_impl[impl] = [o.tokens for o in outputs]

@@ -75,8 +75,8 @@ def test_runner_batch_changes_and_blocks_are_reused():
                                 "--new-tokens", "2,8,3,4", "--num-blocks", "10", "--seed", "5"])
     model = generate.build_hf_model(args)
     hf_tokens, _ = generate.hf_generate(model, args.prompts, args.new_tokens)
-    runner, requests = generate.run_jax(args, model, "float32", "xla", record_logits=False)
-    outputs, stats = runner.generate(requests)
+    runner = generate.make_runner(args, model, "float32", "xla", record_logits=False)
+    outputs, stats = runner.generate(generate.make_requests(args))
     assert [o.tokens for o in outputs] == hf_tokens
     # 10 blocks of 4 tokens: the first two sequences (3 + 6 blocks, reserved whole) fit; the
     # third (2 blocks) waits for the first to finish and reuses its blocks; the fourth (6 blocks)
@@ -91,7 +91,7 @@ def test_runner_batch_changes_and_blocks_are_reused():
 def test_runner_rejects_requests_it_cannot_serve():
     args = generate.parse_args(["--compare-hf", *TINY, "--prompt-lens", "5", "--new-tokens", "4"])
     model = generate.build_hf_model(args)
-    runner, _ = generate.run_jax(args, model, "float32", "xla", record_logits=False)
+    runner = generate.make_runner(args, model, "float32", "xla", record_logits=False)
     with pytest.raises(ValueError, match="exceeds max_blocks_per_seq"):
         runner.generate([Request(tuple(range(9)), 1)])
     with pytest.raises(ValueError, match="max_new_tokens=0"):
