@@ -219,8 +219,9 @@ def compare_hf(args) -> int:
         print(f"  jax: {out.tokens}")
         if args.dtype == "float32":
             steps = min(agree + 1, len(hf))
-            diff = float(np.abs(np.stack(out.logits[:steps]) - np.stack(hf_logits[i][:steps])).max())
-            bound = FP32_LOGITS_RTOL * float(np.abs(np.stack(hf_logits[i][:steps])).max())
+            want = np.stack(hf_logits[i][:steps])
+            diff = float(np.abs(np.stack(out.logits[:steps]) - want).max())
+            bound = FP32_LOGITS_RTOL * float(np.abs(want).max())
             equal, close = out.tokens == hf, diff <= bound
             ok &= equal and close
             print(f"  {'equal' if equal else f'DIFFERENT from token {agree}'};"
