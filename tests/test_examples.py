@@ -103,8 +103,10 @@ def test_runner_rejects_requests_it_cannot_serve():
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_attend_prefill_matches_oracle(impl, rng):
     """Ragged causal attention: each new token sees its sequence's cache up to itself."""
+    # A 3-token chunk after 4 cached tokens, a 1-token prompt, an empty (padding) sequence, a
+    # whole 13-token prompt, one token after 3 cached ones.
     lens = np.array([7, 1, 0, 13, 4], np.int32)      # cached tokens after the write
-    num_new = np.array([3, 1, 0, 13, 1], np.int32)   # a chunk, a one-token prompt, an empty slot,
+    num_new = np.array([3, 1, 0, 13, 1], np.int32)
     paged = make_paged(rng, lens=lens, num_heads=4, num_kv_heads=2, head_dim=32, block_size=4)
     starts = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
     num_tokens = int(starts[-1]) + 2                 # two padding tokens past the last sequence
@@ -120,7 +122,11 @@ def test_attend_prefill_matches_oracle(impl, rng):
                                              paged.block_tables[b:b + 1],
                                              np.array([n - new + j + 1]))
             np.testing.assert_allclose(out[t], want[0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(out[starts[-1]:], 0.0)
+    # Tokens past query_start_loc[-1] belong to no sequence: the decode form gives them zeros.
+    via_decode = llama.ragged_attention_via_decode(
+        jnp.asarray(q), jnp.asarray(paged.k_cache), jnp.asarray(paged.v_cache),
+        jnp.asarray(paged.block_tables), jnp.asarray(lens), jnp.asarray(starts), impl=impl)
+    np.testing.assert_array_equal(np.asarray(via_decode)[starts[-1]:], 0.0)
 
 
 @pytest.mark.skipif(not hasattr(pallas_paged, "paged_attention"),
