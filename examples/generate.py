@@ -46,7 +46,7 @@ FP32_LOGITS_RTOL = 1e-4  # of max|hf|, float32 logits over the steps both token 
 COMPARE_DEFAULTS = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=128, block_size=4,
                         prompt_lens="5,17,33", new_tokens="8", dtype="float32")
 BENCH_DEFAULTS = dict(layers=8, hidden=1024, heads=16, kv_heads=4, vocab=32000, block_size=16,
-                      new_tokens="128", dtype="bfloat16", num_seqs=64)
+                      new_tokens="128", dtype="bfloat16", num_seqs=64, max_prefill_tokens=4096)
 
 
 def int_list(text: str) -> list[int]:
@@ -76,6 +76,8 @@ def parse_args(argv):
     parser.add_argument("--new-tokens",
                         help="tokens to generate: one number for all, or one per prompt")
     parser.add_argument("--max-num-seqs", type=int, help="most sequences in the batch at once")
+    parser.add_argument("--max-prefill-tokens", type=int,
+                        help="most prompt tokens prefilled in one step (past the first prompt)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init-std", type=float,
@@ -179,7 +181,8 @@ def make_runner(args, model, dtype_name, impl, record_logits):
     num_blocks = args.num_blocks or sum(blocks_for(n, args.block_size) for n in lengths)
     return Runner(params, spec, num_blocks=num_blocks, block_size=args.block_size,
                   max_blocks_per_seq=max_blocks, impl=impl, write_impl=args.write_impl,
-                  max_num_seqs=args.max_num_seqs, record_logits=record_logits)
+                  max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
+                  record_logits=record_logits)
 
 
 def make_requests(args):

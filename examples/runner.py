@@ -2,9 +2,10 @@
 
 Each step (`Runner.generate` loops over them):
 
-1. admit waiting requests, in order, while fewer than ``max_num_seqs`` run and the free blocks
-   cover every admitted sequence's whole length (prompt + new tokens - 1 cached tokens), so that a
-   running sequence never waits for a block;
+1. admit waiting requests, in order, while fewer than ``max_num_seqs`` run, the step's prompts
+   stay within ``max_prefill_tokens`` (one prompt is always admitted into a step with none), and
+   the free blocks cover every admitted sequence's whole length (prompt + new tokens - 1 cached
+   tokens), so that a running sequence never waits for a block;
 2. build the ragged batch on the host: the admitted prompts (prefill), then the last token of
    every running sequence (decode); grow the block tables and compute the slot mapping; pad every
    dimension to a power of two so that few shapes are compiled;
@@ -104,18 +105,23 @@ class Runner:
       write_impl: `pallas_paged.write_kv`'s ``impl`` (None: its default).
       interpret: Pallas interpret mode (None: exactly when there is no GPU).
       max_num_seqs: most sequences in the batch at once (None: no limit).
+      max_prefill_tokens: most prompt tokens prefilled in one step, past the first prompt
+        (None: no limit); bounds a step's size when many prompts arrive together.
       record_logits: keep the float32 logits of every sampled token (for comparisons).
     """
 
     def __init__(self, params, spec: llama.LlamaSpec, *, num_blocks: int, block_size: int,
                  max_blocks_per_seq: int, impl: str = "pallas", write_impl: str | None = None,
                  interpret: bool | None = None, max_num_seqs: int | None = None,
-                 record_logits: bool = False):
+                 max_prefill_tokens: int | None = None, record_logits: bool = False):
         if max_num_seqs is not None and max_num_seqs < 1:
             raise ValueError(f"{max_num_seqs=} must be >= 1 or None")
+        if max_prefill_tokens is not None and max_prefill_tokens < 1:
+            raise ValueError(f"{max_prefill_tokens=} must be >= 1 or None")
         self.params, self.spec = params, spec
         self.block_size, self.max_blocks_per_seq = block_size, max_blocks_per_seq
         self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
         self.record_logits = record_logits
         self.allocator = BlockAllocator(num_blocks)
         dtype = params["embed"].dtype
@@ -217,14 +223,19 @@ class Runner:
         while waiting or running:
             reserved = sum(seq.blocks_needed - len(seq.table.blocks) for seq in running)
             admitted: list[_Sequence] = []
+            prefill_tokens = 0
             while waiting and (self.max_num_seqs is None
                                or len(running) + len(admitted) < self.max_num_seqs):
                 index, request = waiting[0]
                 seq = _Sequence(index, request, BlockTable(self.allocator, self.block_size), step)
                 if self.allocator.num_free - reserved < seq.blocks_needed:
                     break
+                if (admitted and self.max_prefill_tokens is not None
+                        and prefill_tokens + len(request.prompt) > self.max_prefill_tokens):
+                    break
                 waiting.popleft()
                 reserved += seq.blocks_needed
+                prefill_tokens += len(request.prompt)
                 admitted.append(seq)
             # _check guarantees that an empty cache admits the head of the queue.
             assert admitted or running, "the scheduler admitted nothing into an empty batch"

@@ -31,9 +31,11 @@ COMPARE_CASES = {
     "pallas-gqa4-bs1-early-finish": ["--impl", "pallas", "--heads", "4", "--kv-heads", "1",
                                      "--block-size", "1", "--prompt-lens", "5,17,9",
                                      "--new-tokens", "3,9,6", "--max-num-seqs", "2"],
-    "xla-mha-bs1-early-finish": ["--impl", "xla", "--heads", "2", "--kv-heads", "2",
-                                 "--block-size", "1", "--prompt-lens", "3,11,7,1",
-                                 "--new-tokens", "2,7,1,5", "--seed", "3"],
+    # At most 12 prompt tokens a step: the prompts join at steps 0, 1 and 2 (7 + 1).
+    "xla-mha-bs1-early-finish-prefill-budget": ["--impl", "xla", "--heads", "2", "--kv-heads",
+                                                "2", "--block-size", "1", "--prompt-lens",
+                                                "3,11,7,1", "--new-tokens", "2,7,1,5",
+                                                "--max-prefill-tokens", "12", "--seed", "3"],
     "xla-gqa-bs16-bf16": ["--impl", "xla", "--heads", "4", "--kv-heads", "2", "--block-size",
                           "16", "--dtype", "bfloat16"],
 }
@@ -49,6 +51,8 @@ def test_generate_compare_hf(name, capsys):
         hf = [line.split(":", 1)[1] for line in out.splitlines() if line.startswith("  hf :")]
         jax_ = [line.split(":", 1)[1] for line in out.splitlines() if line.startswith("  jax:")]
         assert hf == jax_ and len(hf) == len(out.split("seq ")) - 1
+    if "--max-prefill-tokens" in COMPARE_CASES[name]:
+        assert "(prefill, decode): [(1, 0), (1, 1), (2, 1), " in out, out
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
