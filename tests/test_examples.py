@@ -58,14 +58,14 @@ def test_generate_compare_hf(name, capsys):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compare_hf_fails_on_a_wrong_attention(dtype, monkeypatch, capsys):
     """The comparison can fail: prefill attention that misses each token's own key."""
-    real = llama.ragged_attention_via_decode
+    real = llama.attend_prefill
 
     def off_by_one(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale=None,
                    **kw):
         return real(q, k_cache, v_cache, block_tables, context_lens - 1, query_start_loc, scale,
                     **kw)
 
-    monkeypatch.setattr(llama, "ragged_attention_via_decode", off_by_one)
+    monkeypatch.setattr(llama, "attend_prefill", off_by_one)
     rc = generate.main(["--compare-hf", *TINY, "--impl", "xla", "--dtype", dtype])
     out = capsys.readouterr().out
     assert rc == 1 and out.rstrip().endswith("FAIL"), out
