@@ -190,6 +190,18 @@ def test_generate_compare_hf_gpu(impl, capsys):
     assert rc == 0, out
 
 
+def test_generate_bench_runs(capsys):
+    """``--bench`` on a tiny model: the runner's rows and transformers' row in the table."""
+    rc = generate.main(["--bench", "--layers", "1", "--hidden", "64", "--heads", "4",
+                        "--kv-heads", "2", "--vocab", "128", "--block-size", "4", "--prompt-lens",
+                        "5,9,3", "--new-tokens", "4,2,3", "--dtype", "float32", "--impls", "xla"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "tokens/s" not in line]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| jax runner, impl=xla", "| transformers.generate (static batch, sdpa)"], out
+
+
 @pytest.mark.gpu
 def test_generate_bench_gpu(capsys):
     """``--bench`` runs both impls and transformers.generate and prints the table."""
