@@ -80,8 +80,11 @@ def test_runner_batch_changes_and_blocks_are_reused():
     model = generate.build_hf_model(args)
     hf_tokens, _ = generate.hf_generate(model, args.prompts, args.new_tokens)
     runner = generate.make_runner(args, model, "float32", "xla", record_logits=False)
+    first_caches = runner.caches
     outputs, stats = runner.generate(generate.make_requests(args))
     assert [o.tokens for o in outputs] == hf_tokens
+    # The step donates the caches: the buffers it was given are gone (updated in place).
+    assert all(k.is_deleted() and v.is_deleted() for k, v in first_caches)
     # 10 blocks of 4 tokens: the first two sequences (3 + 6 blocks, reserved whole) fit; the
     # third (2 blocks) waits for the first to finish and reuses its blocks; the fourth (6 blocks)
     # waits for the second.
