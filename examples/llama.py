@@ -138,52 +138,20 @@ class StepBatch(NamedTuple):
     decode_context_lens: jax.Array    # i32[Dn], cached tokens after this step's write
 
 
-def ragged_attention_via_decode(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                                scale=None, *, impl="pallas", interpret=None):
-    """Causal attention of a ragged batch of new tokens, as one `pallas_paged.decode` call.
-
-    Sequence ``b`` owns ``q[query_start_loc[b]:query_start_loc[b + 1]]``, its newest tokens, whose
-    K/V are already in the cache; ``context_lens[b]`` counts them. New token ``j`` of ``b`` sits at
-    position ``p = context_lens[b] - num_new_b + j`` and attends to positions ``0..p``: it becomes
-    one decode row with ``b``'s block table and length ``p + 1``. Tokens past
-    ``query_start_loc[-1]`` get length 0 (zeros).
-
-    Args:
-      q: ``[num_tokens, num_heads, head_dim]``.
-      k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-      block_tables: ``i32[num_seqs, max_blocks]``. context_lens: ``i32[num_seqs]``.
-      query_start_loc: ``i32[num_seqs + 1]``, non-decreasing, from 0.
-      scale, impl, interpret: as in `pallas_paged.decode`.
-
-    Returns:
-      ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
-    """
-    num_tokens, num_seqs = q.shape[0], block_tables.shape[0]
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(query_start_loc, token, side="right") - 1, 0, num_seqs - 1)
-    start = query_start_loc[seq]
-    num_new = query_start_loc[seq + 1] - start
-    position = context_lens[seq] - num_new + (token - start)
-    token_lens = jnp.where(token < query_start_loc[num_seqs], position + 1, 0).astype(jnp.int32)
-    return pallas_paged.decode(q, k_cache, v_cache, block_tables[seq], token_lens, scale,
-                               impl=impl, interpret=interpret)
-
-
 def attend_prefill(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale=None,
                    *, impl="pallas", interpret=None):
     """Prefill attention of the new prompts: the ragged paged-attention contract.
 
-    The arguments are those of ``pallas_paged.paged_attention`` (see
-    `ragged_attention_via_decode`): sequence ``b`` owns ``q[query_start_loc[b]:query_start_loc[b +
-    1]]``, causal within its new tokens, which were written to the cache first; ``context_lens``
-    include them. Today this runs as one decode call with one row per new token; once
-    ``pallas_paged.paged_attention`` exists, the call below becomes that function.
+    One `pallas_paged.paged_attention` call: sequence ``b`` owns
+    ``q[query_start_loc[b]:query_start_loc[b + 1]]``, causal within its new tokens, which were
+    written to the cache first; ``context_lens`` include them. Tokens past
+    ``query_start_loc[-1]`` (padding) give zeros.
 
     Returns:
       ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
     """
-    return ragged_attention_via_decode(q, k_cache, v_cache, block_tables, context_lens,
-                                       query_start_loc, scale, impl=impl, interpret=interpret)
+    return pallas_paged.paged_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                        query_start_loc, scale, impl=impl, interpret=interpret)
 
 
 def rms_norm(x, weight, eps):

@@ -129,18 +129,45 @@ def test_attend_prefill_matches_oracle(impl, rng):
                                              paged.block_tables[b:b + 1],
                                              np.array([n - new + j + 1]))
             np.testing.assert_allclose(out[t], want[0], rtol=1e-5, atol=1e-5)
-    # Tokens past query_start_loc[-1] belong to no sequence: the decode form gives them zeros.
-    via_decode = llama.ragged_attention_via_decode(
-        jnp.asarray(q), jnp.asarray(paged.k_cache), jnp.asarray(paged.v_cache),
-        jnp.asarray(paged.block_tables), jnp.asarray(lens), jnp.asarray(starts), impl=impl)
-    np.testing.assert_array_equal(np.asarray(via_decode)[starts[-1]:], 0.0)
+    # Tokens past query_start_loc[-1] belong to no sequence: zeros.
+    np.testing.assert_array_equal(out[starts[-1]:], 0.0)
 
 
-@pytest.mark.skipif(not hasattr(pallas_paged, "paged_attention"),
-                    reason="pallas_paged.paged_attention is not in this tree yet")
+def ragged_attention_via_decode(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                                scale=None, *, impl="pallas", interpret=None):
+    """Causal attention of a ragged batch of new tokens, as one `pallas_paged.decode` call.
+
+    Sequence ``b`` owns ``q[query_start_loc[b]:query_start_loc[b + 1]]``, its newest tokens, whose
+    K/V are already in the cache; ``context_lens[b]`` counts them. New token ``j`` of ``b`` sits at
+    position ``p = context_lens[b] - num_new_b + j`` and attends to positions ``0..p``: it becomes
+    one decode row with ``b``'s block table and length ``p + 1``. Tokens past
+    ``query_start_loc[-1]`` get length 0 (zeros).
+
+    Args:
+      q: ``[num_tokens, num_heads, head_dim]``.
+      k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+      block_tables: ``i32[num_seqs, max_blocks]``. context_lens: ``i32[num_seqs]``.
+      query_start_loc: ``i32[num_seqs + 1]``, non-decreasing, from 0.
+      scale, impl, interpret: as in `pallas_paged.decode`.
+
+    Returns:
+      ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+    """
+    num_tokens, num_seqs = q.shape[0], block_tables.shape[0]
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(query_start_loc, token, side="right") - 1, 0, num_seqs - 1)
+    start = query_start_loc[seq]
+    num_new = query_start_loc[seq + 1] - start
+    position = context_lens[seq] - num_new + (token - start)
+    token_lens = jnp.where(token < query_start_loc[num_seqs], position + 1, 0).astype(jnp.int32)
+    return pallas_paged.decode(q, k_cache, v_cache, block_tables[seq], token_lens, scale,
+                               impl=impl, interpret=interpret)
+
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_ragged_via_decode_matches_paged_attention(impl, rng):
-    """What `attend_prefill` switches to computes what it computes today."""
+    """Prefill attention equals one decode row per new token (the decode kernel, length p + 1)."""
     lens = np.array([9, 4, 17], np.int32)
     num_new = np.array([9, 1, 5], np.int32)
     paged = make_paged(rng, lens=lens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
@@ -148,7 +175,7 @@ def test_ragged_via_decode_matches_paged_attention(impl, rng):
     q = jnp.asarray(rng.standard_normal((int(starts[-1]), 8, 64)).astype(np.float32))
     args = (q, jnp.asarray(paged.k_cache), jnp.asarray(paged.v_cache),
             jnp.asarray(paged.block_tables), jnp.asarray(lens), jnp.asarray(starts))
-    want = llama.ragged_attention_via_decode(*args, impl=impl)
+    want = ragged_attention_via_decode(*args, impl=impl)
     got = pallas_paged.paged_attention(*args, impl=impl)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
