@@ -12,7 +12,7 @@ The semantics are those of `torch_ref` (SPEC.md). One folder per operation (``ca
 - `validate_write_inputs`, `validate_decode_inputs`, `validate_attention_inputs`: eager value
   checks for untrusted inputs.
 - `DecodeConfig`, `AttentionConfig`: the kernels' knobs.
-- `shard_decode`, `shard_write_kv`: the same under `jax.shard_map`, kv heads (tensor-parallel) and/or
+- `shard_decode`, `shard_paged_attention`, `shard_write_kv`: the same under `jax.shard_map`, kv heads (tensor-parallel) and/or
   sequences (batch-parallel) across devices, with no communication.
 """
 
@@ -24,7 +24,8 @@ from pallas_paged.decode_attention.api import decode
 from pallas_paged.decode_attention.configs import DecodeConfig, DecodeShape, get_heuristic_config
 from pallas_paged.ragged_attention.api import paged_attention
 from pallas_paged.ragged_attention.configs import AttentionConfig, AttentionShape
-from pallas_paged.sharding import decode_shardings, shard_decode, shard_write_kv, write_shardings
+from pallas_paged.sharding import (attention_shardings, decode_shardings, shard_decode,
+                                   shard_paged_attention, shard_write_kv, write_shardings)
 
 __all__ = [
     "write_kv",
@@ -40,7 +41,9 @@ __all__ = [
     "get_heuristic_config",
     "quantize_fp8",
     "shard_decode",
+    "shard_paged_attention",
     "shard_write_kv",
     "decode_shardings",
+    "attention_shardings",
     "write_shardings",
 ]

@@ -1,7 +1,9 @@
-"""Multi-device paged decode and cache write: the single-device ops under ``shard_map``, no collectives.
+"""Multi-device paged attention and cache write: the single-device ops under ``shard_map``, no
+collectives.
 
-A decode step is embarrassingly parallel along two axes, and this module shards it along either or
-both, running the single-device `pallas_paged.decode` / `pallas_paged.write_kv` on every shard:
+A serving step is embarrassingly parallel along two axes, and this module shards it along either
+or both, running the single-device `pallas_paged.decode` / `pallas_paged.paged_attention` /
+`pallas_paged.write_kv` on every shard:
 
 - **Tensor parallel** (``kv_axis``): the kv heads. Device ``i`` of an ``n``-way axis holds kv heads
   ``[i * KVH/n, (i + 1) * KVH/n)`` of the caches and query heads ``[i * H/n, (i + 1) * H/n)`` of ``q``
@@ -15,6 +17,11 @@ both, running the single-device `pallas_paged.decode` / `pallas_paged.write_kv` 
   and each device's ``slot_mapping`` entries are slots of its own shard (local slot ``s`` of device
   ``i`` is global slot ``i * (NB/n) * block_size + s``). An allocator that hands each device's
   sequences blocks from that device's pool produces exactly this.
+  For `shard_paged_attention` (ragged query tokens) the tokens are split like the write's:
+  device ``i`` holds token rows ``[i * T/n, (i + 1) * T/n)`` of ``q`` (its sequences' new tokens,
+  packed from the start of its chunk, padding after them) and its own segment of
+  ``query_start_loc``, **local to its token chunk**: the global ``query_start_loc`` is the devices'
+  segments of ``B/n + 1`` entries one after another (``B + n`` entries), each starting at 0.
 - Both at once on a 2-D mesh (e.g. ``("dp", "tp")``).
 
 Why there is no communication. Attention of one sequence and one query head reads only that
@@ -52,11 +59,14 @@ from pallas_paged import _validation
 from pallas_paged.cache_write.api import write_kv
 from pallas_paged.cache_write.fp8 import scale_operand
 from pallas_paged.decode_attention.api import decode
+from pallas_paged.ragged_attention.api import paged_attention
 
 __all__ = [
     "shard_decode",
+    "shard_paged_attention",
     "shard_write_kv",
     "decode_shardings",
+    "attention_shardings",
     "write_shardings",
     "collectives_in",
     "COLLECTIVE_OPS",
@@ -160,6 +170,21 @@ def _decode_specs(kv_axis, batch_axis) -> dict[str, P]:
     }
 
 
+def _attention_specs(kv_axis, batch_axis) -> dict[str, P]:
+    return {
+        "q": P(batch_axis, kv_axis, None),                 # [num_tokens, num_heads, head_dim]
+        "k_cache": P(batch_axis, None, kv_axis, None),     # [num_blocks, block_size, kvh, head_dim]
+        "v_cache": P(batch_axis, None, kv_axis, None),
+        "block_tables": P(batch_axis, None),               # i32[batch, max_blocks]
+        "context_lens": P(batch_axis),                     # i32[batch]
+        "query_start_loc": P(batch_axis),                  # i32[batch + 1], or i32[batch + n] (local)
+        "alibi_slopes": P(kv_axis),                        # f32[num_heads]
+        "sinks": P(kv_axis),                               # f32[num_heads]
+        "out": P(batch_axis, kv_axis, None),               # [num_tokens, num_heads, head_dim]
+        "lse": P(batch_axis, kv_axis),                     # f32[num_tokens, num_heads]
+    }
+
+
 def _write_specs(kv_axis, batch_axis) -> dict[str, P]:
     return {
         "k_cache": P(batch_axis, None, kv_axis, None),     # [num_blocks, block_size, kvh, head_dim]
@@ -179,6 +204,15 @@ def decode_shardings(mesh, *, kv_axis: str | None = "tp",
     """
     _check_axes(mesh, kv_axis, batch_axis)
     return {name: NamedSharding(mesh, spec) for name, spec in _decode_specs(kv_axis, batch_axis).items()}
+
+
+def attention_shardings(mesh, *, kv_axis: str | None = "tp",
+                        batch_axis: str | None = None) -> dict[str, NamedSharding]:
+    """Where `shard_paged_attention`'s arrays live, by argument name (``"out"`` / ``"lse"`` for the
+    results)."""
+    _check_axes(mesh, kv_axis, batch_axis)
+    return {name: NamedSharding(mesh, spec)
+            for name, spec in _attention_specs(kv_axis, batch_axis).items()}
 
 
 def write_shardings(mesh, *, kv_axis: str | None = "tp",
@@ -230,26 +264,87 @@ def shard_decode(mesh, *, kv_axis: str | None = "tp", batch_axis: str | None = N
         ``num_blocks`` not divisible by the ``batch_axis`` size, with the shapes and mesh axis sizes
         in the message.
     """
+    return _shard_attention_op(mesh, kv_axis, batch_axis, "decode", decode_kwargs, ragged=False)
+
+
+def shard_paged_attention(mesh, *, kv_axis: str | None = "tp", batch_axis: str | None = None,
+                          **attention_kwargs) -> Callable:
+    """`pallas_paged.paged_attention` (ragged) over arrays sharded on a device mesh, one
+    single-device call per shard, no collectives.
+
+    Tensor parallel over ``kv_axis`` (heads; the token rows, tables, lengths and
+    ``query_start_loc`` replicated), batch parallel over ``batch_axis`` (sequences and their new
+    tokens, with block ids local to each device's cache shard and ``query_start_loc`` segments
+    local to each device's token chunk; see the module docstring), or both.
+
+    Args:
+      mesh, kv_axis, batch_axis: as `shard_decode`.
+      **attention_kwargs: `paged_attention`'s keywords, as `shard_decode` takes `decode`'s.
+
+    Returns:
+      A jitted ``fn(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *,
+      alibi_slopes=None, sinks=None, k_scale=None, v_scale=None)`` on global arrays:
+
+      - ``q [num_tokens, num_heads, head_dim]``: sharded ``P(batch_axis, kv_axis, None)``;
+      - caches, ``block_tables``, ``context_lens``, head arrays and scales as in `shard_decode`;
+      - ``query_start_loc``: ``i32[batch + 1]`` replicated without ``batch_axis``; with it,
+        ``i32[batch + n]`` sharded ``P(batch_axis)``, device ``i``'s ``B/n + 1`` entries indexing
+        its own ``T/n`` token rows.
+
+      It returns ``out [num_tokens, num_heads, head_dim]`` sharded like ``q``, or ``(out, lse)``
+      with ``return_lse``.
+
+    Raises:
+      ValueError: as `shard_decode`; also ``num_tokens`` not divisible by the ``batch_axis`` size,
+        and a ``query_start_loc`` whose length is not ``batch + n``; on every shard, everything
+        `paged_attention` checks.
+    """
+    return _shard_attention_op(mesh, kv_axis, batch_axis, "paged_attention", attention_kwargs,
+                               ragged=True)
+
+
+def _shard_attention_op(mesh, kv_axis, batch_axis, kind: str, kwargs: dict, *, ragged: bool):
+    """`shard_decode` (``ragged=False``) or `shard_paged_attention` (``ragged=True``)."""
     sizes = _check_axes(mesh, kv_axis, batch_axis)
-    static, default_arrays = _split_kwargs("decode", decode_kwargs, _DECODE_STATIC,
+    static, default_arrays = _split_kwargs(kind, kwargs, _DECODE_STATIC,
                                            _DECODE_HEAD_ARRAYS + _SCALES)
-    specs = _decode_specs(kv_axis, batch_axis)
+    specs = (_attention_specs if ragged else _decode_specs)(kv_axis, batch_axis)
+    op = paged_attention if ragged else decode
     return_lse = bool(static.get("return_lse", False))
     out_specs = (specs["out"], specs["lse"]) if return_lse else specs["out"]
+    shards = 1 if batch_axis is None else sizes[batch_axis]
 
-    def sharded_decode(q, k_cache, v_cache, block_tables, context_lens, *,
-                       alibi_slopes=default_arrays.get("alibi_slopes"),
-                       sinks=default_arrays.get("sinks"), k_scale=default_arrays.get("k_scale"),
-                       v_scale=default_arrays.get("v_scale")):
+    def sharded(q, k_cache, v_cache, block_tables, context_lens, *query_start_loc,
+                alibi_slopes=default_arrays.get("alibi_slopes"),
+                sinks=default_arrays.get("sinks"), k_scale=default_arrays.get("k_scale"),
+                v_scale=default_arrays.get("v_scale")):
         options = {k: static[k] for k in ("scale", "logits_soft_cap", "sliding_window") if k in static}
-        _validation.static_validate_decode(
-            q, k_cache, v_cache, block_tables, context_lens, k_scale=k_scale, v_scale=v_scale,
-            alibi_slopes=alibi_slopes, sinks=sinks, **options)
+        batch = block_tables.shape[0]
         shapes = f"{q.shape=}, {k_cache.shape=}, {block_tables.shape=}"
+        if ragged:
+            (qsl,) = query_start_loc
+            shapes += f", {qsl.shape=}"
+            if tuple(qsl.shape) != (batch + shards,):
+                raise ValueError(
+                    f"query_start_loc.shape={tuple(qsl.shape)} must be [batch + n] ="
+                    f" ({batch + shards},): one segment of batch / n + 1 local offsets per"
+                    f" batch shard (n = {shards}); {shapes}")
+            # Checks on the global shapes with one shard's query_start_loc shape: the rest is
+            # checked per shard by paged_attention itself.
+            _validation.static_validate_attention(
+                q, k_cache, v_cache, block_tables, context_lens,
+                jax.ShapeDtypeStruct((batch + 1,), qsl.dtype), k_scale=k_scale, v_scale=v_scale,
+                alibi_slopes=alibi_slopes, sinks=sinks, **options)
+        else:
+            _validation.static_validate_decode(
+                q, k_cache, v_cache, block_tables, context_lens, k_scale=k_scale, v_scale=v_scale,
+                alibi_slopes=alibi_slopes, sinks=sinks, **options)
         kvh = k_cache.shape[2]
         _check_divides("num_kv_heads", kvh, kv_axis, sizes, shapes)
-        _check_divides("batch", q.shape[0], batch_axis, sizes, shapes)
+        _check_divides("batch", batch, batch_axis, sizes, shapes)
         _check_divides("num_blocks", k_cache.shape[0], batch_axis, sizes, shapes)
+        if ragged:
+            _check_divides("num_tokens", q.shape[0], batch_axis, sizes, shapes)
         if kv_axis is not None:  # the GQA argument of the module docstring, as shapes
             heads_per_device = q.shape[1] // sizes[kv_axis]
             group = q.shape[1] // kvh
@@ -259,18 +354,20 @@ def shard_decode(mesh, *, kv_axis: str | None = "tp", batch_axis: str | None = N
                        if x is not None}
         scales = _scale_operands(k_scale, v_scale)
         names = tuple(head_arrays) + tuple(scales)
+        arrays = (q, k_cache, v_cache, block_tables, context_lens) + tuple(query_start_loc)
+        num_arrays = len(arrays)
 
-        def per_shard(q, k_cache, v_cache, block_tables, context_lens, *extras):
-            return decode(q, k_cache, v_cache, block_tables, context_lens,
-                          **dict(zip(names, extras)), **static)
+        def per_shard(*args):
+            return op(*args[:num_arrays], **dict(zip(names, args[num_arrays:])), **static)
 
-        in_specs = (specs["q"], specs["k_cache"], specs["v_cache"], specs["block_tables"],
-                    specs["context_lens"]) + tuple(specs[k] for k in head_arrays) + (P(),) * len(scales)
+        in_specs = (tuple(specs[k] for k in ("q", "k_cache", "v_cache", "block_tables",
+                                              "context_lens"))
+                    + ((specs["query_start_loc"],) if ragged else ())
+                    + tuple(specs[k] for k in head_arrays) + (P(),) * len(scales))
         fn = _shard_map(per_shard, mesh, in_specs, out_specs)
-        return fn(q, k_cache, v_cache, block_tables, context_lens, *head_arrays.values(),
-                  *scales.values())
+        return fn(*arrays, *head_arrays.values(), *scales.values())
 
-    return jax.jit(sharded_decode)
+    return jax.jit(sharded)
 
 
 def shard_write_kv(mesh, *, kv_axis: str | None = "tp", batch_axis: str | None = None,

@@ -197,6 +197,52 @@ def test_fp8_cache_with_every_option(rng, impl, q_dtype):
     assert out.dtype == jnp.dtype(q_dtype)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp8_scales_as_arrays_one_program_for_every_scale(rng, impl):
+    """Scalar f32 array scales equal the same python floats, in torch_ref and in JAX, and a jitted
+    step compiles once for three different pairs of scales."""
+    problem = make_ragged(rng, [(3, 10), (1, 4)], pad=1, num_heads=4, num_kv_heads=2,
+                          block_size=4, dtype="float8_e4m3fn", q_dtype="bfloat16")
+    arrays = [jnp.asarray(a) for a in problem.arrays()]
+    traces = []
+
+    @jax.jit
+    def step(k_scale, v_scale, *arrays):
+        traces.append(1)
+        return pp.paged_attention(*arrays, impl=impl, k_scale=k_scale, v_scale=v_scale)
+
+    for k_scale, v_scale in ((0.25, 0.75), (0.5, 2.0), (1.5, 0.125)):
+        got = step(jnp.float32(k_scale), jnp.float32(v_scale), *arrays)
+        want = pp.paged_attention(*arrays, impl=impl, k_scale=k_scale, v_scale=v_scale)
+        np.testing.assert_array_equal(to_numpy(got), to_numpy(want))
+        tensors = [to_torch(a) for a in problem.arrays()]
+        ref = torch_ref.paged_attention(*tensors, k_scale=torch.tensor(k_scale),
+                                        v_scale=torch.tensor([v_scale]))
+        np.testing.assert_array_equal(to_numpy(ref), to_numpy(torch_ref.paged_attention(
+            *tensors, k_scale=k_scale, v_scale=v_scale)))
+        np.testing.assert_allclose(to_numpy(got).astype(np.float32),
+                                   to_numpy(ref).astype(np.float32), atol=ATOL["bfloat16"])
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_huge_windows_and_tables_of_width_zero(rng, impl):
+    """A window of 2**31 or more is no window (as in torch_ref); a [B, 0] table gives zeros."""
+    problem = make_ragged(rng, [(3, 10), (1, 4)], pad=1, block_size=4)
+    plain, _ = run_jax(problem, impl)
+    for window in (2**31, 2**40):
+        np.testing.assert_array_equal(run_jax(problem, impl, sliding_window=window)[0], plain)
+        expected, _ = run_torch(problem, sliding_window=window)
+        np.testing.assert_allclose(plain, expected, atol=ATOL["float32"])
+    empty = dataclasses.replace(problem, block_tables=np.zeros((2, 0), np.int32),
+                                context_lens=np.zeros(2, np.int32),
+                                query_start_loc=np.zeros(3, np.int32))
+    out, lse = run_jax(empty, impl)
+    expected, expected_lse = run_torch(empty)
+    assert not out.any() and not expected.any()
+    assert np.isneginf(lse).all() and np.isneginf(expected_lse).all()
+
+
 # --- SPEC invariants I8-I10 --------------------------------------------------------------------
 
 def _slots(problem, b, positions):

@@ -1,4 +1,4 @@
-"""shard_decode / shard_write_kv on 4 devices: bit-identical to one device, and no collectives.
+"""shard_decode / shard_paged_attention / shard_write_kv on 4 devices: bit-identical to one device, and no collectives.
 
 The multi-device checks need 4 JAX devices. On CPU those are virtual devices that exist only when
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` is set before JAX creates its backends,
@@ -429,7 +429,8 @@ def test_write_rejects_indivisible_shapes(layout, arrays, match):
 
 
 @needs_devices
-@pytest.mark.parametrize("make", [sharding.shard_decode, sharding.shard_write_kv])
+@pytest.mark.parametrize("make", [sharding.shard_decode, sharding.shard_paged_attention,
+                                  sharding.shard_write_kv])
 @pytest.mark.parametrize(("axes", "match"), [
     (dict(kv_axis="model"), r"kv_axis='model' is not an axis of the mesh: mesh axes \{'dp': 2, 'tp': 2\}"),
     (dict(kv_axis="tp", batch_axis="data"), r"batch_axis='data' is not an axis of the mesh"),
@@ -450,6 +451,140 @@ def test_collective_detector_sees_a_psum():
                                out_specs=P()))
     x = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("tp")))
     assert "all-reduce" in sharding.collectives_in(fn.lower(x).compile().as_text())
+
+
+# ------------------------------------------------------------------------------ ragged attention
+#
+# The decode problem's sequences, caches and tables, each sequence bringing 0..4 new tokens. A
+# layout with s batch shards gives shard j the token rows [j * T/s, (j + 1) * T/s): its sequences'
+# new tokens packed from the start of that chunk, padding after them, and a query_start_loc
+# segment local to the chunk. The single-device reference runs `paged_attention` once per shard
+# chunk on the global cache and global block ids (s = 1: once, on the whole batch).
+
+RAGGED_TOKENS = 32
+RAGGED_CASES = {
+    # name -> (impl, dtype, extensions on, AttentionConfig for the Pallas kernel)
+    "xla-ext": ("xla", "bfloat16", True, None),
+    "pallas-ext-split": ("pallas", "bfloat16", True,
+                         pallas_paged.AttentionConfig(block_q=2, block_k=16, num_splits=2)),
+}
+RAGGED_GRID = ([("xla-ext", layout) for layout in FOUR_DEVICE_LAYOUTS]
+               + [("pallas-ext-split", "tp4"), ("pallas-ext-split", "dp2xtp2")])
+RAGGED_ARGS = DECODE_ARGS + ("query_start_loc",)
+
+
+@functools.cache
+def ragged_new_tokens(dtype: str) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Each sequence's number of new tokens (at most its length, at most 4) and their queries."""
+    problem = decode_problem(dtype)
+    rng = np.random.default_rng(zlib.crc32(dtype.encode()) + 2)
+    lens = problem["context_lens"]
+    q_lens = np.minimum(lens, rng.integers(1, 5, size=lens.shape)).astype(np.int32)
+    heads, dim = problem["q"].shape[1:]
+    queries = [rng.standard_normal((int(n), heads, dim)).astype(NP_DTYPES[dtype]) for n in q_lens]
+    return q_lens, queries
+
+
+def ragged_inputs(dtype: str, shards: int) -> dict:
+    """The decode problem's arrays with ``q`` / ``query_start_loc`` laid out for ``shards`` batch
+    shards (block ids still global)."""
+    problem = dict(decode_problem(dtype))
+    problem.pop("used")
+    q_lens, queries = ragged_new_tokens(dtype)
+    batch = len(q_lens)
+    per_shard, rows = batch // shards, RAGGED_TOKENS // shards
+    rng = np.random.default_rng(shards)
+    q = rng.standard_normal((RAGGED_TOKENS,) + queries[0].shape[1:]).astype(NP_DTYPES[dtype])
+    segments = []
+    for j in range(shards):
+        mine = range(j * per_shard, (j + 1) * per_shard)
+        local = np.concatenate([[0], np.cumsum(q_lens[list(mine)])]).astype(np.int32)
+        assert local[-1] <= rows, (local, rows)
+        for b, start in zip(mine, local):
+            q[j * rows + start: j * rows + start + q_lens[b]] = queries[b]
+        segments.append(local)
+    problem["q"] = q
+    problem["query_start_loc"] = np.concatenate(segments) if shards > 1 else segments[0]
+    return problem
+
+
+@functools.cache
+def ragged_reference(case: str, shards: int):
+    """`paged_attention` on one device, once per shard chunk: ``(out, lse)`` as numpy."""
+    impl, dtype, _, config = RAGGED_CASES[case]
+    problem = ragged_inputs(dtype, shards)
+    per_shard, rows = len(problem["context_lens"]) // shards, RAGGED_TOKENS // shards
+    outs, lses = [], []
+    for j in range(shards):
+        seqs, toks = slice(j * per_shard, (j + 1) * per_shard), slice(j * rows, (j + 1) * rows)
+        qsl = problem["query_start_loc"][j * (per_shard + 1):(j + 1) * (per_shard + 1)]
+        out, lse = pallas_paged.paged_attention(
+            problem["q"][toks], problem["k_cache"], problem["v_cache"],
+            problem["block_tables"][seqs], problem["context_lens"][seqs], qsl,
+            alibi_slopes=problem["alibi_slopes"], sinks=problem["sinks"], logits_soft_cap=5.0,
+            return_lse=True, impl=impl, config=config)
+        outs.append(np.asarray(out))
+        lses.append(np.asarray(lse))
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+@needs_devices
+@pytest.mark.parametrize(("case", "layout"), RAGGED_GRID)
+def test_paged_attention_matches_single_device(case, layout):
+    """shard_paged_attention: bitwise the single-device result, one program, no collectives.
+
+    Every option that a shard must split with the heads (ALiBi, sinks) is on, with lse; the
+    ``-split`` case runs the kernel's split-K merge on every shard; padding rows stay zeros.
+    """
+    impl, dtype, _, config = RAGGED_CASES[case]
+    mesh = make_mesh(layout)
+    _, _, kv_axis, batch_axis = LAYOUTS[layout]
+    shards = batch_shards(layout)
+    inputs = ragged_inputs(dtype, shards)
+    used = decode_problem(dtype)["used"]
+    inputs["block_tables"] = to_local(inputs["block_tables"], used, shards,
+                                      inputs["k_cache"].shape[0] // shards)
+    shardings = sharding.attention_shardings(mesh, kv_axis=kv_axis, batch_axis=batch_axis)
+    args = [put(inputs[name], shardings, name) for name in RAGGED_ARGS]
+    kwargs = {name: put(inputs[name], shardings, name) for name in HEAD_ARRAYS}
+    fn = sharding.shard_paged_attention(mesh, kv_axis=kv_axis, batch_axis=batch_axis, impl=impl,
+                                        config=config, return_lse=True, logits_soft_cap=5.0)
+    compiled = fn.lower(*args, **kwargs).compile()
+    assert_no_collectives(compiled)
+    out, lse = compiled(*args, **kwargs)
+    expected, expected_lse = ragged_reference(case, shards)
+    # The kernel computes each (query tile, kv head) alone: bitwise the single-device result. The
+    # XLA path's reductions may associate differently for the per-device shapes (seen on CPU: the
+    # lse of a few rows, in its last bit): there it is held to rounding.
+    same = assert_bitwise_equal if impl == "pallas" else assert_within_rounding
+    same(out, expected, "out")
+    same(lse, expected_lse, "lse")
+    assert_sharded(out, shardings["out"])
+    assert_sharded(lse, shardings["lse"])
+    q_lens, _ = ragged_new_tokens(dtype)
+    per_shard, rows = len(q_lens) // shards, RAGGED_TOKENS // shards
+    for j in range(shards):  # the padding rows after each shard's tokens are zeros
+        used_rows = int(q_lens[j * per_shard:(j + 1) * per_shard].sum())
+        assert not np.asarray(out, np.float32)[j * rows + used_rows:(j + 1) * rows].any()
+
+
+@needs_devices
+@pytest.mark.parametrize(("layout", "arrays", "match"), [
+    ("tp4", dict(num_heads=6, num_kv_heads=6),
+     r"num_kv_heads=6 must be divisible by the size of mesh axis 'tp' \(4\)"),
+    ("dp4", dict(tokens=30), r"num_tokens=30 must be divisible by .*'dp' \(4\)"),
+    ("dp4", dict(qsl=9), r"query_start_loc.shape=\(9,\) must be \[batch \+ n\] = \(12,\)"),
+    ("tp4", dict(qsl=12), r"query_start_loc.shape=\(12,\) must be \[batch \+ n\] = \(9,\)"),
+])
+def test_paged_attention_rejects_indivisible_shapes(layout, arrays, match):
+    mesh = make_mesh(layout)
+    _, _, kv_axis, batch_axis = LAYOUTS[layout]
+    tokens, qsl = arrays.pop("tokens", 32), arrays.pop("qsl", 8 + batch_shards(layout))
+    q, kc, vc, tables, lens = decode_arrays(**arrays)
+    q = jnp.zeros((tokens,) + q.shape[1:], q.dtype)
+    fn = sharding.shard_paged_attention(mesh, kv_axis=kv_axis, batch_axis=batch_axis, impl="xla")
+    with pytest.raises(ValueError, match=match):
+        fn(q, kc, vc, tables, lens, jnp.zeros((qsl,), jnp.int32))
 
 
 # ------------------------------------------------------------------------------ 4-device process

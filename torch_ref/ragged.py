@@ -15,7 +15,7 @@ import math
 import torch
 
 from torch_ref import _checks
-from torch_ref.attention import _window_start, attend
+from torch_ref.attention import _multiplier, _window_start, attend
 
 
 def check_ragged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
@@ -78,8 +78,8 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
     return_lse: bool = False,
 ):
     """Causal attention of each sequence's new tokens over its paged K/V (SPEC.md, "Ragged").
@@ -129,8 +129,7 @@ def paged_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    k_mult = 1.0 if k_scale is None else k_scale
-    v_mult = 1.0 if v_scale is None else v_scale
+    k_mult, v_mult = _multiplier(k_scale), _multiplier(v_scale)
     out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.full((num_tokens, num_heads), -math.inf, dtype=torch.float32, device=q.device)
     for b in range(block_tables.shape[0]):

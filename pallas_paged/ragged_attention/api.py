@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from pallas_paged import _validation
 from pallas_paged._platform import (device_kind, kernel_addresses_overflow, resolve_interpret,
                                     sm_count, without_triton_deprecation)
+from pallas_paged.cache_write.fp8 import scale_operand
 from pallas_paged.ragged_attention import configs
 from pallas_paged.ragged_attention.configs import AttentionConfig, AttentionShape
 from pallas_paged.ragged_attention.pallas_triton import paged_attention_pallas
@@ -35,10 +36,6 @@ def attention_shape(q, k_cache, block_tables) -> AttentionShape:
 
 
 @without_triton_deprecation
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "logits_soft_cap", "sliding_window", "k_scale", "v_scale",
-                     "return_lse", "impl", "interpret", "config"))
 def paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -52,8 +49,8 @@ def paged_attention(
     alibi_slopes: jax.Array | None = None,
     sliding_window: int | None = None,
     sinks: jax.Array | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
     return_lse: bool = False,
     impl: str = "pallas",
     interpret: bool | None = None,
@@ -71,6 +68,10 @@ def paged_attention(
     this order: ``s * scale`` -> soft-cap -> ALiBi (``slope[h] * (j - p)``) -> sliding window ->
     softmax with sink. Rows at or past ``query_start_loc[batch]`` (padding) are zeros.
     ``decode(q, ...)`` equals ``paged_attention(q, ..., query_start_loc=arange(batch + 1))``.
+
+    A plain function that validates, then calls one jitted program keyed on the shapes, dtypes
+    and static options, as `pallas_paged.decode` does: under a caller's ``jax.jit``, list the
+    python-valued options it passes in ``static_argnames``; the fp8 scales may be traced.
 
     Example, a prefill chunk, a 3-token speculation and a decode in one call::
 
@@ -93,7 +94,8 @@ def paged_attention(
       alibi_slopes: ``f32[num_heads]``: ``s += slope[h] * (j - p)``.
       sliding_window: static ``W >= 1``; the kernel does not read tiles wholly outside the window.
       sinks: ``f32[num_heads]``, one extra logit per head in the softmax denominator.
-      k_scale, v_scale: static per-tensor dequantization scales of an fp8 cache.
+      k_scale, v_scale: per-tensor dequantization scales of an fp8 cache: python floats or
+        float32 arrays of shape ``()`` / ``(1,)`` (operands: one program serves every scale).
       return_lse: also return ``lse f32[num_tokens, num_heads]`` (``-inf`` for padding rows).
       impl: ``"pallas"`` (the kernel) or ``"xla"`` (plain jnp, for small problems: it holds
         ``f32[num_tokens, max_blocks * block_size, num_kv_heads, head_dim]`` for K and for V).
@@ -118,8 +120,12 @@ def paged_attention(
     _validation.static_validate_attention(q, k_cache, v_cache, block_tables, context_lens,
                                           query_start_loc, k_scale=k_scale, v_scale=v_scale,
                                           **options)
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"impl={impl!r} must be one of {ATTENTION_IMPLS}")
+    if not isinstance(impl, str) or impl not in ATTENTION_IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {ATTENTION_IMPLS} (static under jax.jit)")
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse must be a python bool (static under jax.jit), got {return_lse!r}")
+    if interpret is not None and not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be a python bool or None (static under jax.jit), got {interpret!r}")
     if impl == "pallas" and kernel_addresses_overflow(k_cache.shape, k_cache.dtype):
         raise ValueError(
             f"impl='pallas' cannot address a {jnp.dtype(k_cache.dtype).name} cache of 2**31 to"
@@ -127,20 +133,50 @@ def paged_attention(
             " use impl='xla', or a cache of fewer than 2**31 or more than 2**32 elements")
     if config is not None and not isinstance(config, AttentionConfig):
         raise ValueError(f"config must be an AttentionConfig or None, got {type(config).__name__}")
-    num_tokens, num_heads, head_dim = q.shape
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    options.update(scale=scale, k_scale=k_scale, v_scale=v_scale)
-    if num_tokens == 0 or block_tables.shape[0] == 0:  # nothing to attend: all rows are padding
-        out = jnp.zeros(q.shape, q.dtype)
-        lse = jnp.full((num_tokens, num_heads), -jnp.inf, jnp.float32)
-    elif impl == "xla":
-        out, lse = paged_attention_xla(q, k_cache, v_cache, block_tables, context_lens,
-                                       query_start_loc, **options)
-    else:
-        if config is None:
-            config = configs.lookup(attention_shape(q, k_cache, block_tables), device_kind(),
-                                    sm_count())
-        out, lse = paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens,
-                                          query_start_loc, config=config,
-                                          interpret=resolve_interpret(interpret), **options)
+    num_tokens = q.shape[0]
+    num_blocks, block_size = k_cache.shape[:2]
+    capacity = block_tables.shape[1] * block_size
+    if sliding_window is not None and sliding_window >= capacity:
+        sliding_window = None  # every position j <= p < capacity has j > p - W: no window
+    if impl == "pallas" and config is None and num_tokens > 0 and capacity > 0:
+        config = configs.lookup(attention_shape(q, k_cache, block_tables), device_kind(),
+                                sm_count())
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    out, lse = _paged_attention_jit(
+        q, k_cache, v_cache, _validation.host_clamp_index(block_tables, 0, num_blocks - 1),
+        _validation.host_clamp_index(context_lens, 0, capacity),
+        _validation.host_clamp_index(query_start_loc, 0, num_tokens), alibi_slopes, sinks,
+        scale_operand(k_scale), scale_operand(v_scale), scale=scale,
+        logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, impl=impl,
+        interpret=resolve_interpret(interpret), config=config)
     return (out, lse) if return_lse else out
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "logits_soft_cap", "sliding_window", "impl", "interpret",
+                              "config"))
+def _paged_attention_jit(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                         alibi_slopes, sinks, k_scale, v_scale, *, scale: float, logits_soft_cap,
+                         sliding_window, impl: str, interpret: bool, config):
+    """`paged_attention` after validation: ``scale`` resolved, ``k_scale`` / ``v_scale`` ``f32[]``
+    or None.
+
+    Returns ``(out, lse)``. int64 indices are clamped in int64 here, before they are narrowed.
+    """
+    num_tokens, num_heads, _ = q.shape
+    num_blocks, block_size = k_cache.shape[:2]
+    max_blocks = block_tables.shape[1]
+    capacity = max_blocks * block_size
+    tables = _validation.clamp_index(block_tables, 0, num_blocks - 1)
+    lens = _validation.clamp_index(context_lens, 0, capacity)
+    starts = _validation.clamp_index(query_start_loc, 0, num_tokens)
+    options = dict(scale=scale, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+                   sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    if num_tokens == 0 or block_tables.shape[0] == 0 or max_blocks == 0:
+        # nothing to attend: every row is padding, or no sequence can hold a token
+        return (jnp.zeros(q.shape, q.dtype),
+                jnp.full((num_tokens, num_heads), -jnp.inf, jnp.float32))
+    if impl == "xla":
+        return paged_attention_xla(q, k_cache, v_cache, tables, lens, starts, **options)
+    return paged_attention_pallas(q, k_cache, v_cache, tables, lens, starts, config=config,
+                                  interpret=interpret, **options)

@@ -129,6 +129,7 @@ def _ragged_attention_kernel(
     v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]
     alibi_ref,   # f32[num_heads] or None
     sinks_ref,   # f32[num_heads] or None
+    scales_ref,  # f32[2] = (k_scale, v_scale) of an fp8 cache, or None
     *out_refs,   # split:  o f32[num_tokens * kvh * splits * group, head_dim], m, l f32[same rows]
                  #         (row ((t * kvh + kv_head) * splits + split) * group + g)
                  # single: o [num_tokens * num_heads, head_dim] in q.dtype, lse f32[num_tokens * num_heads]
@@ -143,8 +144,6 @@ def _ragged_attention_kernel(
     compute_dtype,
     soft_cap: float | None,
     window: int | None,
-    k_scale: float | None,
-    v_scale: float | None,
 ):
     program, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     batch = lens_ref.shape[0]
@@ -185,7 +184,7 @@ def _ragged_attention_kernel(
     q = plgpu.load(q_ref.at[q_row[:, None], cols[None, :]],
                    mask=row_real[:, None] & col_ok[None, :], other=0)  # [M, Dp]
     # The fp8 dequantization scales enter here (scores) and after the loops (values) only.
-    score_scale = scale if k_scale is None else scale * k_scale
+    score_scale = scale if scales_ref is None else scales_ref[0] * scale
     if compute_dtype == jnp.float16 and q_ref.dtype != jnp.float16:
         # bf16's range is wider than fp16's: divide q by a power of two that brings max |q| under
         # 2**15 (exact), and multiply the scores back by it.
@@ -245,8 +244,8 @@ def _ragged_attention_kernel(
     for (lo, hi), body in zip(loops, (masked_body, full_body, masked_body)):
         carry = jax.lax.fori_loop(lo, hi, body, carry)
     acc, m, l = carry
-    if v_scale is not None:
-        acc = acc * v_scale
+    if scales_ref is not None:
+        acc = acc * scales_ref[1]
 
     out_mask = row_real[:, None] & col_ok[None, :]
     if num_splits > 1:
@@ -280,7 +279,9 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, quer
     """The kernel over the grid ``(query tiles, num_kv_heads, num_splits)``, then the split merge.
 
     Arguments as `pallas_paged.paged_attention` (validated, ``scale`` resolved to a float,
-    ``num_tokens >= 1``, ``batch >= 1``).
+    indices int32, ``num_tokens >= 1``, ``batch >= 1``; ``k_scale`` / ``v_scale`` ``f32[]``
+    operands or None, passed to the kernel as one ``f32[2]`` array so that the compiled kernel
+    serves every scale).
 
     Returns:
       ``(out [num_tokens, num_heads, head_dim] in q.dtype, lse f32[num_tokens, num_heads])``.
@@ -296,7 +297,8 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, quer
         _ragged_attention_kernel, scale=scale, block_size=block_size, block_q=config.block_q,
         block_k=config.block_k, num_splits=splits, group=group, dot_rows=dot_rows,
         padded_dim=padded_dim, compute_dtype=dot_dtype(q.dtype, k_cache.dtype),
-        soft_cap=logits_soft_cap, window=sliding_window, k_scale=k_scale, v_scale=v_scale)
+        soft_cap=logits_soft_cap, window=sliding_window)
+    scales = None if k_scale is None else jnp.stack([k_scale, v_scale]).astype(jnp.float32)
     if splits > 1:
         rows = num_tokens * kvh * splits * group
         out_shape = (jax.ShapeDtypeStruct((rows, head_dim), jnp.float32),
@@ -318,7 +320,7 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, quer
     )(query_start_loc.astype(jnp.int32), context_lens.astype(jnp.int32),
       block_tables.astype(jnp.int32), q.reshape(num_tokens * num_heads, head_dim),
       k_cache.reshape(num_blocks * block_size, kvh, head_dim),
-      v_cache.reshape(num_blocks * block_size, kvh, head_dim), alibi_slopes, sinks)
+      v_cache.reshape(num_blocks * block_size, kvh, head_dim), alibi_slopes, sinks, scales)
     if splits == 1:
         out, lse = outs
         return out.reshape(num_tokens, num_heads, head_dim), lse.reshape(num_tokens, num_heads)
