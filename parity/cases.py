@@ -1,7 +1,9 @@
 """Parity cases: named, frozen shapes and options, and the numpy inputs each draws from its seed.
 
-A `Case` is one model-runner step: a write of new tokens into a paged cache, then decode attention
-over that cache. `make_inputs(case)` builds every array of the step from
+A `Case` is one model-runner step: a write of new tokens into a paged cache, then attention over
+that cache: decode (one query per sequence) or, for a case with ``new_tokens``, ragged paged
+attention (each sequence's new tokens, causally: prefill chunks, speculative decoding and decode in
+one call). `make_inputs(case)` builds every array of the step from
 ``np.random.default_rng(case.seed)`` alone, so a case name plus a seed reproduces a failure
 anywhere. The inputs are adversarial in the ways SPEC.md names:
 
@@ -12,8 +14,8 @@ anywhere. The inputs are adversarial in the ways SPEC.md names:
   real blocks (the most dangerous kind: reading one gives plausible numbers);
 - every cache slot that is not a valid token of the batch holds NaN (the fp8 NaN code for fp8
   caches), including the slot each sequence's newest token is about to be written to;
-- the write step stores each non-empty sequence's newest token (position ``n - 1``) and a few
-  padding tokens (``slot_mapping == -1``, values ``PAD_SENTINEL``) at random positions among them;
+- the write step stores each non-empty sequence's newest token (position ``n - 1``; a ragged case:
+  its newest ``q_len_b`` tokens, 0 allowed) and a few padding tokens (``slot_mapping == -1``, values ``PAD_SENTINEL``) at random positions among them;
 - lengths include 0 (a padded batch row), 1, ``bs - 1``, ``bs``, ``bs + 1`` and the table's capacity
   (the ``"edges"`` policy), shuffled over the batch.
 
@@ -43,6 +45,8 @@ __all__ = [
     "NP_DTYPES",
     "apply_write",
     "decode_options",
+    "decode_view",
+    "draw_new_tokens",
     "valid_slot_mask",
     "draw_lengths",
     "make_inputs",
@@ -89,7 +93,13 @@ class Case:
         JAX arrays) rather than python floats.
       return_lse: also compare the log-sum-exp.
       padding_tokens: slot ``-1`` tokens mixed into the write.
-      block_k, num_splits: a `pallas_paged.DecodeConfig` for the Pallas kernel (None: its default).
+      block_k, num_splits: a `pallas_paged.DecodeConfig` (ragged: `AttentionConfig`) for the
+        Pallas kernel (None: its default).
+      new_tokens: None for decode; else a ragged case: ``"mixed"`` (per sequence, in turn: 1, 0,
+        2-8, 13, the whole prompt, a chunk of 64-512, 31, 5; never more than its length) or an
+        explicit tuple of ``batch`` counts, each at most the sequence's length.
+      query_padding: rows of ``q`` past ``query_start_loc[batch]`` (ragged cases), whose output
+        must be zeros.
     """
 
     name: str
@@ -115,6 +125,8 @@ class Case:
     padding_tokens: int = 3
     block_k: int | None = None
     num_splits: int | None = None
+    new_tokens: str | tuple[int, ...] | None = None
+    query_padding: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -144,6 +156,14 @@ class Case:
                 raise ValueError(
                     f"Case {self.name!r}: lengths={self.lengths} must lie in [0, capacity ="
                     f" {self.capacity}]")
+        if isinstance(self.new_tokens, str) and self.new_tokens != "mixed":
+            raise ValueError(f"Case {self.name!r}: new_tokens={self.new_tokens!r} must be None,"
+                             " 'mixed' or a tuple of ints")
+        if isinstance(self.new_tokens, tuple) and len(self.new_tokens) != self.batch:
+            raise ValueError(f"Case {self.name!r}: {len(self.new_tokens)} new_tokens for"
+                             f" batch={self.batch}")
+        if self.query_padding and self.new_tokens is None:
+            raise ValueError(f"Case {self.name!r}: query_padding needs a ragged case (new_tokens)")
         fp8 = self.dtype == "float8_e4m3fn"
         has_scales = self.k_scale is not None and self.v_scale is not None
         if fp8 != has_scales or (not fp8 and (self.k_scale, self.v_scale) != (None, None)):
@@ -151,6 +171,11 @@ class Case:
                 f"Case {self.name!r}: k_scale and v_scale go together with (and only with) a"
                 f" float8_e4m3fn cache, got dtype={self.dtype}, k_scale={self.k_scale},"
                 f" v_scale={self.v_scale}")
+
+    @property
+    def ragged(self) -> bool:
+        """Ragged paged attention (``paged_attention``) rather than decode."""
+        return self.new_tokens is not None
 
     @property
     def group(self) -> int:
@@ -188,6 +213,8 @@ class Case:
             names.append("fp8")
         if self.return_lse:
             names.append("lse")
+        if self.ragged:
+            names.append("ragged")
         return tuple(names)
 
 
@@ -217,6 +244,30 @@ def draw_lengths(case: Case, rng: np.random.Generator) -> np.ndarray:
     return rng.permutation(lens).astype(np.int32)
 
 
+# The "mixed" policy's query lengths, in turn (None: the whole prompt; a range: one draw in it).
+MIXED_NEW_TOKENS = (1, 0, (2, 8), 13, None, (64, 512), 31, 5)
+
+
+def draw_new_tokens(case: Case, lens: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``i32[batch]`` query lengths of a ragged case: each sequence's newest ``q_len_b`` tokens
+    (at most its length ``n``) are written, then attend."""
+    if isinstance(case.new_tokens, tuple):
+        q_lens = np.asarray(case.new_tokens, dtype=np.int64)
+        if (q_lens < 0).any() or (q_lens > lens).any():
+            raise ValueError(f"Case {case.name!r}: new_tokens={case.new_tokens} must lie in"
+                             f" [0, context length] = [0, {lens.tolist()}]")
+        return q_lens.astype(np.int32)
+    q_lens = []
+    for b, n in enumerate(lens.tolist()):
+        pick = MIXED_NEW_TOKENS[b % len(MIXED_NEW_TOKENS)]
+        if pick is None:
+            pick = n
+        elif isinstance(pick, tuple):
+            pick = int(rng.integers(pick[0], pick[1] + 1))
+        q_lens.append(min(pick, n))
+    return np.asarray(q_lens, dtype=np.int32)
+
+
 def _to_dtype(x: np.ndarray, dtype: str, scale: float | None = None) -> np.ndarray:
     """fp32 -> the storage dtype, rounding to nearest even; fp8 stores ``clamp(x / scale)``."""
     x = np.asarray(x, dtype=np.float32)
@@ -236,7 +287,9 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     Returns:
       A dict of numpy arrays:
 
-      - ``q``: ``[batch, num_heads, head_dim]`` in ``case.q_dtype``.
+      - ``q``: ``[batch, num_heads, head_dim]`` in ``case.q_dtype``; a ragged case:
+        ``[sum(q_lens) + query_padding, num_heads, head_dim]``, each sequence's new tokens packed
+        in batch order, and ``query_start_loc`` ``i32[batch + 1]``.
       - ``k_cache``, ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` in
         ``case.dtype``, *before* the write: positions ``0..n-2`` of every sequence hold data, every
         other slot NaN.
@@ -249,6 +302,7 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(case.seed)
     bs, kvh, d = case.block_size, case.num_kv_heads, case.head_dim
     lens = draw_lengths(case, rng)
+    q_lens = draw_new_tokens(case, lens, rng) if case.ragged else np.minimum(lens, 1)
     pages = -(-lens.astype(np.int64) // bs)  # ceil(n / bs) per sequence
     num_blocks = int(pages.sum()) + case.spare_blocks
     num_blocks = max(num_blocks, 1)
@@ -269,8 +323,8 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     seq = np.repeat(np.arange(case.batch), lens)
     pos = np.concatenate([np.arange(n) for n in lens]) if lens.sum() else np.zeros(0, np.int64)
     slot = (tables[seq, pos // bs].astype(np.int64) * bs + pos % bs)
-    newest = pos == (lens[seq] - 1)
-    new_slots = slot[newest]  # batch order, one per non-empty sequence
+    newest = pos >= (lens[seq] - q_lens[seq])
+    new_slots = slot[newest]  # batch order, each sequence's newest q_len_b positions
 
     caches = {}
     for name, cache_scale in (("k_cache", case.k_scale), ("v_cache", case.v_scale)):
@@ -295,8 +349,9 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
         x[is_pad] = PAD_SENTINEL
         new[name] = x.astype(NP_DTYPES[case.q_dtype])
 
+    num_queries = int(q_lens.sum()) + case.query_padding if case.ragged else case.batch
     inputs = {
-        "q": rng.standard_normal((case.batch, case.num_heads, d), dtype=np.float32)
+        "q": rng.standard_normal((num_queries, case.num_heads, d), dtype=np.float32)
         .astype(NP_DTYPES[case.q_dtype]),
         "k_cache": caches["k_cache"],
         "v_cache": caches["v_cache"],
@@ -306,6 +361,8 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
         "block_tables": tables,
         "context_lens": lens,
     }
+    if case.ragged:
+        inputs["query_start_loc"] = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     if case.alibi:
         inputs["alibi_slopes"] = _alibi_slopes(case.num_heads)
     if case.sinks:
@@ -332,6 +389,26 @@ def apply_write(case: Case, inputs: dict[str, np.ndarray]) -> tuple[np.ndarray, 
         flat[slots[keep]] = rows
         out.append(flat.reshape(cache.shape))
     return out[0], out[1]
+
+
+def decode_view(case: Case, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The case's attention as one decode row per query: what the judge and the references read.
+
+    A decode case is returned as it is. For a ragged case, query row ``t`` of sequence ``b`` (at
+    position ``p``) becomes a decode row with ``b``'s block table and length ``p + 1``: SPEC.md's
+    ragged query sees exactly the positions ``j <= p`` (and ``j > p - W``) that such a decode row
+    sees, with ALiBi's ``j - (n - 1) = j - p``. Padding rows get length 0.
+    """
+    if not case.ragged:
+        return inputs
+    starts = inputs["query_start_loc"].astype(np.int64)
+    lens = inputs["context_lens"].astype(np.int64)
+    rows = np.arange(inputs["q"].shape[0])
+    seq = np.clip(np.searchsorted(starts, rows, side="right") - 1, 0, case.batch - 1)
+    q_len = starts[seq + 1] - starts[seq]
+    row_lens = np.where(rows < starts[-1], lens[seq] - q_len + (rows - starts[seq]) + 1, 0)
+    return {**inputs, "block_tables": inputs["block_tables"][seq],
+            "context_lens": row_lens.astype(np.int32)}
 
 
 def valid_slot_mask(case: Case, inputs: dict[str, np.ndarray]) -> np.ndarray:
@@ -398,6 +475,18 @@ DEFAULT_SUITE: tuple[Case, ...] = (
     _named(8, 2, 128, 12, "float8_e4m3fn", "_all", **FP8_SCALES, **ALL_OPTIONS),
     _named(8, 2, 64, 16, "bfloat16", "_split3", block_k=16, num_splits=3, return_lse=True),
     _named(8, 2, 64, 5, "float32", "_all_split4", block_k=16, num_splits=4, **ALL_OPTIONS),
+    # Ragged paged attention: decode, empty, spec-decode, prime, whole-prompt and chunk queries in
+    # one batch, padding rows past query_start_loc[batch], every option, fp8, the split merge.
+    _named(8, 2, 64, 16, "bfloat16", "_ragged", batch=8, lengths="uniform", max_blocks=12,
+           new_tokens="mixed", query_padding=3),
+    _named(4, 4, 64, 5, "float32", "_ragged_all", batch=8, lengths="uniform", max_blocks=30,
+           new_tokens="mixed", query_padding=2, **ALL_OPTIONS),
+    _named(6, 2, 80, 12, "float16", "_ragged_spec", batch=5, new_tokens=(0, 1, 4, 6, 7),
+           lengths=(0, 11, 12, 25, 40), max_blocks=4),
+    _named(8, 2, 64, 16, "float8_e4m3fn", "_ragged_all", batch=6, lengths="uniform",
+           max_blocks=8, new_tokens="mixed", query_padding=1, **FP8_SCALES, **ALL_OPTIONS),
+    _named(8, 1, 64, 3, "bfloat16", "_ragged_split3", batch=4, lengths=(70, 33, 1, 90),
+           new_tokens=(70, 5, 1, 17), max_blocks=30, block_k=16, num_splits=3, return_lse=True),
 )
 
 # GPU-sized: contexts in the thousands, batch up to 64, head_dim up to 256, block sizes up to 64,
@@ -445,6 +534,25 @@ def _full_suite() -> tuple[Case, ...]:
                                                **fp8))):
             dtype = opts.pop("dtype", "bfloat16")
             cases.append(_named(h, kvh, d, bs, dtype, f"_b{batch}_ctx{ctx}{suffix}", **big, **opts))
+    # Ragged: prefill chunks of 64-512 over longer cached contexts, whole prompts, speculative
+    # decoding (2-8 tokens), decode and empty rows in one batch, with padding rows; every option.
+    for h, kvh, d, bs, batch, ctx in ((32, 8, 128, 16, 16, 4096), (16, 2, 256, 32, 8, 2048),
+                                      (12, 4, 96, 12, 16, 3000), (8, 8, 64, 1, 8, 1023)):
+        big = dict(batch=batch, max_blocks=-(-ctx // bs), spare_blocks=37, lengths="uniform",
+                   new_tokens="mixed", query_padding=5)
+        for dtype in ("bfloat16", "float16", "float32"):
+            cases.append(_named(h, kvh, d, bs, dtype, f"_b{batch}_ctx{ctx}_ragged", **big))
+        cases.append(_named(h, kvh, d, bs, "bfloat16", f"_b{batch}_ctx{ctx}_ragged_all", **big,
+                            logits_soft_cap=30.0, alibi=True, sliding_window=700, sinks=True,
+                            return_lse=True))
+        cases.append(_named(h, kvh, d, bs, "float8_e4m3fn", f"_b{batch}_ctx{ctx}_ragged_fp8",
+                            **big, **FP8_SCALES, return_lse=True))
+    cases.append(_named(32, 8, 128, 16, "bfloat16", "_b1_ctx16384_ragged_chunk", batch=1,
+                        lengths=(16384,), new_tokens=(512,), max_blocks=1024, spare_blocks=37,
+                        return_lse=True))
+    cases.append(_named(32, 8, 128, 16, "bfloat16", "_b32_ctx4096_ragged_spec4", batch=32,
+                        lengths="uniform", new_tokens=(4,) * 32, max_blocks=256,
+                        spare_blocks=37))
     return tuple(cases)
 
 

@@ -39,7 +39,7 @@ import numpy as np
 import pallas_paged
 import torch_ref
 from parity import convert, tolerance
-from parity.cases import Case, apply_write, make_inputs
+from parity.cases import Case, apply_write, decode_view, make_inputs
 from parity.tolerance import Tolerance
 
 __all__ = [
@@ -230,9 +230,11 @@ def _run_torch(case: Case, inputs: dict[str, np.ndarray], device: str, timings: 
                                    **scales), sync)
     results["k_cache"] = convert.from_torch(t["k_cache"])
     results["v_cache"] = convert.from_torch(t["v_cache"])
-    decode = lambda: torch_ref.paged_decode_attention(  # noqa: E731
-        t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["context_lens"], case.scale,
-        logits_soft_cap=case.logits_soft_cap, sliding_window=case.sliding_window,
+    attention = torch_ref.paged_attention if case.ragged else torch_ref.paged_decode_attention
+    ragged = (t["query_start_loc"],) if case.ragged else ()
+    decode = lambda: attention(  # noqa: E731
+        t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["context_lens"], *ragged,
+        case.scale, logits_soft_cap=case.logits_soft_cap, sliding_window=case.sliding_window,
         return_lse=case.return_lse, **scales, **{k: t[k] for k in _ARRAY_OPTIONS if k in t})
     res, timings["torch.decode"] = _timed(decode, sync)
     out, lse = res if case.return_lse else (res, None)
@@ -248,7 +250,8 @@ def _scales(case: Case, to_array) -> dict:
     return dict(k_scale=to_array(case.k_scale), v_scale=to_array(case.v_scale))
 
 
-def _decode_config(case: Case):
+def _kernel_config(case: Case):
+    """The case's `DecodeConfig` (ragged: `AttentionConfig`) for the Pallas kernel, or None."""
     if case.block_k is None and case.num_splits is None:
         return None
     fields = {}
@@ -256,7 +259,8 @@ def _decode_config(case: Case):
         fields["block_k"] = case.block_k
     if case.num_splits is not None:
         fields["num_splits"] = case.num_splits
-    return pallas_paged.DecodeConfig(**fields)
+    config = pallas_paged.AttentionConfig if case.ragged else pallas_paged.DecodeConfig
+    return config(**fields)
 
 
 def _run_jax(case: Case, inputs: dict[str, np.ndarray], device: str, impl: str, interpret: bool,
@@ -277,12 +281,15 @@ def _run_jax(case: Case, inputs: dict[str, np.ndarray], device: str, impl: str, 
     results["k_cache"] = convert.from_jax(k_cache)
     results["v_cache"] = convert.from_jax(v_cache)
 
+    attention = pallas_paged.paged_attention if case.ragged else pallas_paged.decode
+    ragged = (x["query_start_loc"],) if case.ragged else ()
+
     def decode():
-        return pallas_paged.decode(
-            x["q"], k_cache, v_cache, x["block_tables"], x["context_lens"], scale=case.scale,
-            logits_soft_cap=case.logits_soft_cap, sliding_window=case.sliding_window,
-            return_lse=case.return_lse, impl=impl, interpret=interpret,
-            config=_decode_config(case) if impl == "pallas" else None,
+        return attention(
+            x["q"], k_cache, v_cache, x["block_tables"], x["context_lens"], *ragged,
+            scale=case.scale, logits_soft_cap=case.logits_soft_cap,
+            sliding_window=case.sliding_window, return_lse=case.return_lse, impl=impl,
+            interpret=interpret, config=_kernel_config(case) if impl == "pallas" else None,
             **scales, **{k: x[k] for k in _ARRAY_OPTIONS if k in x})
 
     _, timings[f"{impl}.decode.first"] = _timed(decode, convert.jax_sync)
@@ -340,17 +347,18 @@ def case_outputs(case: Case, device: str = "cpu", *, impls: Sequence[str] = IMPL
                 errors[name] = _describe(exc)
 
         start = time.perf_counter()
-        truth, baseline, tolerances = tolerance.reference_outputs(case, inputs, k_expected,
+        view = decode_view(case, inputs)  # ragged: one decode row per query
+        truth, baseline, tolerances = tolerance.reference_outputs(case, view, k_expected,
                                                                   v_expected, device)
         lse = truth.get("lse")
         if lse is None:
             lse = np.zeros(inputs["q"].shape[:2])
-        mags = tolerance.magnitudes(case, inputs, k_expected, v_expected, lse, device)
+        mags = tolerance.magnitudes(case, view, k_expected, v_expected, lse, device)
         timings["reference"] = time.perf_counter() - start
-    rows = inputs["context_lens"] > 0
+    rows = view["context_lens"] > 0
     tolerances = {name: tolerance.with_statistics(tol, truth[name], mags[name], rows)
                   for name, tol in tolerances.items()}
-    outputs.update(truth=truth, baseline=baseline, tolerances=tolerances,
+    outputs.update(view=view, truth=truth, baseline=baseline, tolerances=tolerances,
                    magnitudes={name: mags[name] for name in truth}, timings=timings,
                    errors=errors, impls=("torch", *impls))
     return outputs
@@ -396,9 +404,9 @@ def _judge_write(name: str, impl: str, got, expected: np.ndarray, case: Case,
                  mismatches, detail=detail)
 
 
-def _at(index, inputs: dict) -> str:
+def _at(index, view: dict) -> str:
     b = index[0]
-    return f"{list(index)} (batch row {b}, context_lens={int(inputs['context_lens'][b])})"
+    return f"{list(index)} (row {b}, attending {int(view['context_lens'][b])} positions)"
 
 
 def _judge_decode(name: str, impl: str, got, truth: np.ndarray, tol: Tolerance,
@@ -488,7 +496,7 @@ def judge(outputs: dict) -> CaseResult:
             checks.append(_with_error(check, error, name in got))
         for name, truth in outputs["truth"].items():
             check = _judge_decode(name, impl, got.get(name), truth, outputs["tolerances"][name],
-                                  outputs["magnitudes"][name], case, inputs,
+                                  outputs["magnitudes"][name], case, outputs["view"],
                                   outputs["torch"].get(name))
             checks.append(_with_error(check, error, name in got))
     return CaseResult(case=case, device=outputs["device"], checks=checks,

@@ -1,6 +1,7 @@
 """Planted bugs: `python -m parity` must exit non-zero for each one, and zero without them.
 
-Each mutant wraps the public `pallas_paged.write_kv` or `pallas_paged.decode` (the module
+Each mutant wraps the public `pallas_paged.write_kv`, `pallas_paged.decode` or
+`pallas_paged.paged_attention` (the module
 attribute `parity.compare` calls) with one classic mistake, planted in the arguments it passes on
 or in the result it hands back, and runs the CLI in-process (`parity.__main__.main`) with the XLA
 implementation only, on the few default-suite cases that exercise the bug (``-k``). The test then
@@ -25,7 +26,8 @@ import pytest
 import pallas_paged
 from parity import __main__ as cli
 
-REAL = {"write_kv": pallas_paged.write_kv, "decode": pallas_paged.decode}
+REAL = {"write_kv": pallas_paged.write_kv, "decode": pallas_paged.decode,
+        "paged_attention": pallas_paged.paged_attention}
 
 
 def _argv(cases: tuple[str, ...]) -> list[str]:
@@ -177,12 +179,57 @@ def fp8_scale_multiplied(write_kv):
     return broken
 
 
+def _rows(q_rows: int, query_start_loc):
+    """Per query row: its sequence and its index among the sequence's new tokens (numpy)."""
+    starts = np.asarray(query_start_loc)
+    seq = np.clip(np.searchsorted(starts, np.arange(q_rows), side="right") - 1, 0,
+                  len(starts) - 2)
+    return seq, np.arange(q_rows) - starts[seq]
+
+
+def no_causal_mask(paged_attention):
+    def broken(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *args, **kw):
+        # Every new token attends to its sequence's whole context: one decode row per token with
+        # the full length (the classic prefill bug: the causal mask forgotten).
+        seq, _ = _rows(q.shape[0], query_start_loc)
+        lens = jnp.where(jnp.arange(q.shape[0]) < query_start_loc[-1],
+                         jnp.asarray(context_lens)[seq], 0)
+        return pallas_paged.decode(q, k_cache, v_cache, jnp.asarray(block_tables)[seq], lens,
+                                   *args, **kw)
+    return broken
+
+
+def query_sees_the_next_position(paged_attention):
+    def broken(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *args, **kw):
+        # The causal mask off by one (j <= p + 1): each new token but a sequence's last sees one
+        # position past its own.
+        seq, i = _rows(q.shape[0], query_start_loc)
+        starts, lens = np.asarray(query_start_loc), np.asarray(context_lens)
+        q_len = starts[seq + 1] - starts[seq]
+        p = lens[seq] - q_len + i
+        n = np.where(np.arange(q.shape[0]) < starts[-1], np.minimum(p + 2, lens[seq]), 0)
+        return pallas_paged.decode(q, k_cache, v_cache, jnp.asarray(block_tables)[seq],
+                                   jnp.asarray(n, jnp.int32), *args, **kw)
+    return broken
+
+
+def padding_rows_not_zeroed(paged_attention):
+    def broken(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *args, **kw):
+        res = paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                              *args, **kw)
+        out, rest = (res[0], res[1:]) if isinstance(res, tuple) else (res, None)
+        pad = (jnp.arange(q.shape[0]) >= query_start_loc[-1])[:, None, None]
+        out = jnp.where(pad, q.astype(out.dtype), out)  # the padding rows' garbage left in place
+        return (out, *rest) if rest is not None else out
+    return broken
+
+
 @dataclasses.dataclass(frozen=True)
 class Mutant:
     """One planted bug: which public function it breaks, the cases run, what must fail."""
 
     plant: Callable
-    target: str  # "write_kv" or "decode"
+    target: str  # "write_kv", "decode" or "paged_attention"
     cases: tuple[str, ...]
     fails: tuple[str, ...]  # labels that must fail, e.g. "out[xla]"
     because: str = ""  # a phrase the failure lines must contain (which rule caught it)
@@ -218,12 +265,17 @@ MUTANTS = (
     Mutant(dropped_write, "write_kv", ("mha_h4_d64_bs16_fp32",), WRITE, "a slot written this step"),
     Mutant(v_written_from_k, "write_kv", ("gqa2_h4_d64_bs16_bf16",), ("v_cache[xla]", OUT)),
     Mutant(fp8_scale_multiplied, "write_kv", ("gqa4_h8_d128_bs16_fp8",), WRITE),
+    Mutant(no_causal_mask, "paged_attention", ("gqa4_h8_d64_bs16_bf16_ragged",), (OUT,)),
+    Mutant(query_sees_the_next_position, "paged_attention", ("mha_h4_d64_bs5_fp32_ragged_all",),
+           (OUT, LSE)),
+    Mutant(padding_rows_not_zeroed, "paged_attention", ("gqa4_h8_d64_bs16_bf16_ragged",), (OUT,),
+           "zero-length rows"),
 )
 
 
 def test_the_mutants_are_distinct_and_enough():
     assert len({m.name for m in MUTANTS}) == len(MUTANTS) >= 12
-    assert {m.target for m in MUTANTS} == {"write_kv", "decode"}
+    assert {m.target for m in MUTANTS} == {"write_kv", "decode", "paged_attention"}
 
 
 def test_the_unmutated_implementations_pass_every_selected_case(capsys):
