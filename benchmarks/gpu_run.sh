@@ -4,11 +4,15 @@
 #   2. tests:  every test in tests/ with the compiled kernels, `gpu`-marked ones included
 #   3. parity: python -m parity --device cuda --full
 #   4. bench:  python -m benchmarks.bench (every shape, tuned table), JSON and plot
+#   5. ragged: python -m benchmarks.bench_ragged (the ragged shapes against matmul peak and copy)
+#   6. mosaic: python -m benchmarks.bench_mosaic (impl="mosaic" beside impl="pallas")
+#   7. e2e:    python -m examples.generate --bench (tokens/s: pallas, xla, transformers)
 # Each step's log goes to <dir>/<step>.txt; <dir> is the first argument, else $OUT, else
 # ./gpu-run-<UTC time>. The exit status is 1 when any step failed (a WRONG benchmark row counts).
 #
 #   bash benchmarks/gpu_run.sh [DIR]
 #   STEPS="tests parity" bash benchmarks/gpu_run.sh    # a subset; timeouts: TESTS_TIMEOUT etc.
+#   TESTS="tests/test_ragged.py" PARITY_ARGS="-k ragged" BENCH_ARGS="--shapes b1_ctx32768" ...
 set -u
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-run-$(date -u +%Y%m%dT%H%M%SZ)}}"
@@ -16,7 +20,9 @@ mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-env tests parity bench}"
+STEPS="${STEPS:-env tests parity bench ragged mosaic e2e}"
+TESTS="${TESTS:-tests}"
+PARITY_ARGS="${PARITY_ARGS:---full}"
 status=0
 
 step() {  # step NAME TIMEOUT_S COMMAND...
@@ -35,8 +41,16 @@ step env 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total --f
   $PY -c 'import sys, jax, jaxlib, torch, triton; print(\"python\", sys.version.split()[0],
   \"jax\", jax.__version__, \"jaxlib\", jaxlib.__version__, \"torch\", torch.__version__,
   \"triton\", triton.__version__, jax.devices(), torch.cuda.get_device_name(0))'"
-step tests "${TESTS_TIMEOUT:-1800}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests
-step parity "${PARITY_TIMEOUT:-1800}" "$PY" -m parity --device cuda --full --json "$out/parity.json"
+# shellcheck disable=SC2086  # the *_ARGS and TESTS lists split into words on purpose
+step tests "${TESTS_TIMEOUT:-1800}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra" $TESTS
+step parity "${PARITY_TIMEOUT:-1800}" "$PY" -m parity --device cuda $PARITY_ARGS \
+  --json "$out/parity.json"
 step bench "${BENCH_TIMEOUT:-1800}" "$PY" -m benchmarks.bench --json "$out/bench.json" \
-  --plot "$out/bench.png"
+  --plot "$out/bench.png" ${BENCH_ARGS:-}
+step ragged "${RAGGED_TIMEOUT:-1800}" "$PY" -m benchmarks.bench_ragged --json "$out/ragged.json" \
+  ${RAGGED_ARGS:-}
+step mosaic "${MOSAIC_TIMEOUT:-1800}" "$PY" -m benchmarks.bench_mosaic --json "$out/mosaic.json" \
+  ${MOSAIC_ARGS:-}
+step e2e "${E2E_TIMEOUT:-1800}" env HF_HUB_OFFLINE=1 "$PY" -m examples.generate --bench \
+  ${E2E_ARGS:-}
 exit $status
