@@ -247,6 +247,9 @@ def candidate_configs(shape: RaggedBenchShape, default: AttentionConfig) -> list
                                                 (8, 64, 4, 2), (4, 64, 4, 2)]:
             out.append(dataclasses.replace(default, block_q=block_q, block_k=block_k,
                                            num_warps=warps, num_stages=stages))
+        for block_q in (4, 8, 16):  # small tiles split over the KV axis: a mixed batch's decodes
+            out.append(dataclasses.replace(default, block_q=block_q, block_k=64, num_splits=2,
+                                           num_warps=4, num_stages=2))
     return [c for c in dict.fromkeys(out) if c != default]
 
 

@@ -22,7 +22,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 PY="${PYTHON:-python3}"
 STEPS="${STEPS:-env tests parity bench ragged mosaic e2e}"
 TESTS="${TESTS:-tests}"
-PARITY_ARGS="${PARITY_ARGS:---full}"
+PARITY_ARGS="${PARITY_ARGS---full}"  # set but empty: the default suite
 status=0
 
 step() {  # step NAME TIMEOUT_S COMMAND...

@@ -63,8 +63,11 @@ class AttentionConfig:
 
         Sequence ``b`` (and the padding rows, as a sequence ``batch``) takes the programs from
         ``query_start_loc[b] // block_q + b`` on, ``ceil(q_len_b / block_q)`` of them; these
-        ranges never overlap and all end below ``ceil(num_tokens / block_q) + batch``.
+        ranges never overlap and all end below ``ceil(num_tokens / block_q) + batch``. With
+        ``block_q == 1`` token ``t`` is program ``t``: ``num_tokens`` programs, none idle.
         """
+        if self.block_q == 1:
+            return max(num_tokens, 1)
         return -(-num_tokens // self.block_q) + batch
 
 

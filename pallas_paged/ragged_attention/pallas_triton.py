@@ -6,7 +6,7 @@ Read top to bottom (the public function is `pallas_paged.ragged_attention.api.pa
    upper bound of the query tiles of any ``query_start_loc``: sequence ``b`` owns the programs
    ``query_start_loc[b] // block_q + b`` onwards, one per ``block_q`` of its new tokens, and the
    padding rows past ``query_start_loc[batch]`` form a last pseudo-sequence ``batch`` whose
-   programs write zeros. A program finds its sequence by a binary search over the small
+   programs write zeros (with ``block_q == 1``, token ``t`` is simply program ``t``). A program finds its sequence by a binary search over the small
    ``query_start_loc``; programs in the gaps between sequences' ranges have no rows and return.
 2. `_ragged_attention_kernel` works on refs only. One program owns one (query tile, kv head, KV
    split): ``block_q`` query tokens x the ``group`` query heads of its kv head share the M
@@ -53,9 +53,13 @@ def find_query_tile(program, qsl_ref, *, batch: int, num_tokens: int, block_q: i
     """The query tile of grid program ``program`` (an int32 scalar).
 
     Sequence ``b`` (``b == batch``: the padding rows ``[query_start_loc[batch], num_tokens)``)
-    owns the programs ``start(b) = query_start_loc[b] // block_q + b`` to
+    owns the programs ``start(b) = query_start_loc[b] // block_q + b`` (``query_start_loc[b]``
+    when ``block_q == 1``: one-token tiles never straddle two sequences, so each token is its
+    own program, with no gap programs) to
     ``start(b) + ceil(q_len_b / block_q) - 1``. ``start`` is increasing, so the program's sequence
-    is the number of ``b in [1, batch]`` with ``start(b) <= program``: one vector load of the
+    is the number of ``b in [1, batch]`` with ``start(b) <= program`` (with ``block_q == 1``,
+    empty sequences share their successor's start and the count lands on the owner): one vector
+    load of the
     small ``query_start_loc`` and a sum (no chain of dependent scalar loads, as a binary search
     would take). Its tile is ``program - start(b)``, which may lie past the sequence's last tile
     (a gap program, with no rows).
@@ -71,11 +75,12 @@ def find_query_tile(program, qsl_ref, *, batch: int, num_tokens: int, block_q: i
     index = jnp.arange(max(16, next_power_of_2(batch + 1)))  # i32[Bp]
     present = index <= batch
     starts = jnp.clip(plgpu.load(qsl_ref.at[index], mask=present, other=0), 0, num_tokens)
-    before = present & (index >= 1) & (starts // block_q + index <= program)
+    gap = 0 if block_q == 1 else 1  # one-token tiles never straddle two sequences: no gaps
+    before = present & (index >= 1) & (starts // block_q + gap * index <= program)
     b = jnp.sum(before.astype(jnp.int32))
     first = jnp.sum(jnp.where(index == b, starts, 0))
     end = jnp.where(b < batch, jnp.sum(jnp.where(index == b + 1, starts, 0)), num_tokens)
-    return b, program - (first // block_q + b), first, end
+    return b, program - (first // block_q + gap * b), first, end
 
 
 def kv_tile_plan(first_pos, tile_queries, n, split, *, block_k: int, num_splits: int,
