@@ -63,7 +63,8 @@ def needs_devices(block: str) -> bool:
 
 
 def program(block: str) -> str:
-    return PREAMBLE.format(torch="import torch_ref" in block) + block + EPILOGUE
+    uses_torch = re.search(r"^import .*\btorch_ref\b", block, re.M) is not None
+    return PREAMBLE.format(torch=uses_torch) + block + EPILOGUE
 
 
 BLOCKS = readme_blocks()
