@@ -17,6 +17,10 @@ Under ``jax.jit`` values cannot raise. What happens instead, by construction of 
   capacity; a block id outside ``[0, num_blocks)`` in the valid part of a table is clamped into
   that range (the read stays inside the cache, the output for that sequence is meaningless).
   Table entries past ``ceil(n / block_size)`` are never read at all.
+- ``paged_attention``: lengths and block ids as in ``decode``; ``query_start_loc`` is clamped into
+  ``[0, num_tokens]``, made non-decreasing (a running maximum) and its first entry taken as 0, so
+  every row of ``q`` belongs to one sequence or to the padding; a query whose position is below 0
+  (``q_len_b > context_lens[b]``) sees no position and gives zeros, ``lse = -inf``.
 
 int64 indices never wrap. The kernels work in int32; an int64 index array is clamped *in int64*
 into the range its rule above maps it to (slots into ``[-1, num_blocks * block_size]``, lengths

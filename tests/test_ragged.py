@@ -402,6 +402,20 @@ def test_more_queries_than_context_under_jit_see_nothing(rng, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_malformed_query_start_loc_under_jit_is_sanitized(rng, impl):
+    """Unchecked under jit: query_start_loc is clamped into [0, num_tokens], made non-decreasing
+    and starts at 0 (every row has one owner, none is left unwritten), as documented."""
+    problem = make_ragged(rng, [(3, 9), (2, 8), (1, 4)], pad=2, block_size=4)
+    bad = np.array([2, 5, 3, 99], np.int32)  # first entry 2, decreasing, past num_tokens (8)
+    sane = np.array([0, 5, 5, 8], np.int32)  # what the jit rule makes of it
+    out, lse = run_jax(dataclasses.replace(problem, query_start_loc=bad), impl)
+    want, want_lse = run_jax(dataclasses.replace(problem, query_start_loc=sane), impl)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_all_rows_padding_and_empty_inputs(rng, impl):
     problem = make_ragged(rng, [(0, 3), (0, 0)], pad=4, block_size=4)
     out, lse = run_jax(problem, impl)

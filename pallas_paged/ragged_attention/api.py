@@ -112,8 +112,11 @@ def paged_attention(
         ``[batch + 1]``), ``num_heads % num_kv_heads``, bad options or an unknown ``impl``. Values
         are not checked (they cannot raise under jit): see `validate_attention_inputs`, which
         refuses a ``query_start_loc`` not starting at 0, decreasing or past ``num_tokens`` and
-        ``q_len_b > context_lens[b]``, and the module docstring of `pallas_paged._validation` for
-        what jit does with such values.
+        ``q_len_b > context_lens[b]``. Under jit, ``query_start_loc`` is clamped into
+        ``[0, num_tokens]``, made non-decreasing (a running maximum) and its first entry taken as
+        0, so every row has one owner; a query at a position below 0 (``q_len_b >
+        context_lens[b]``) sees nothing and gives zeros (lse ``-inf``); lengths and block ids as
+        in `pallas_paged.decode`.
     """
     options = dict(scale=scale, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
                    sliding_window=sliding_window, sinks=sinks)
@@ -169,7 +172,10 @@ def _paged_attention_jit(q, k_cache, v_cache, block_tables, context_lens, query_
     capacity = max_blocks * block_size
     tables = _validation.clamp_index(block_tables, 0, num_blocks - 1)
     lens = _validation.clamp_index(context_lens, 0, capacity)
-    starts = _validation.clamp_index(query_start_loc, 0, num_tokens)
+    # Under jit a malformed query_start_loc cannot raise: it is clamped into [0, num_tokens], made
+    # non-decreasing (a running maximum) and starts at 0, so every row of q has one owner.
+    starts = jnp.clip(_validation.clamp_index(query_start_loc, 0, num_tokens), 0, num_tokens)
+    starts = jax.lax.cummax(starts).at[0].set(0)
     options = dict(scale=scale, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
                    sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     if num_tokens == 0 or block_tables.shape[0] == 0 or max_blocks == 0:
