@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_paged._platform import kernel_addresses_overflow
+
 CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn)
 QUERY_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 INDEX_DTYPES = (jnp.int32, jnp.int64)
@@ -209,6 +211,27 @@ def host_clamp_index(x, lo: int, hi: int):
     if isinstance(x, np.ndarray) and x.dtype == np.int64:
         return np.clip(x, lo, hi).astype(np.int32)
     return x
+
+
+def static_validate_call(k_cache, *, impl, impls, return_lse, interpret, config,
+                         config_type) -> None:
+    """The python-valued options of a public attention call (static under ``jax.jit``)."""
+    if not isinstance(impl, str) or impl not in impls:
+        raise ValueError(f"impl={impl!r} must be one of {impls} (static under jax.jit)")
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse must be a python bool (static under jax.jit), got {return_lse!r}")
+    if interpret is not None and not isinstance(interpret, bool):
+        raise ValueError(
+            f"interpret must be a python bool or None (static under jax.jit), got {interpret!r}")
+    if impl == "pallas" and kernel_addresses_overflow(k_cache.shape, k_cache.dtype):
+        raise ValueError(
+            f"impl='pallas' cannot address a {jnp.dtype(k_cache.dtype).name} cache of 2**31 to"
+            f" 2**32 elements ({k_cache.shape=}; Triton offsets stay 32-bit below 2**32 bytes):"
+            " use impl='xla', or a cache of fewer than 2**31 or more than 2**32 elements")
+    if config is not None and not isinstance(config, config_type):
+        article = "an" if config_type.__name__[0] in "AEIOU" else "a"
+        raise ValueError(f"config must be {article} {config_type.__name__} or None for"
+                         f" impl={impl!r}, got {type(config).__name__}")
 
 
 def clamp_index(x, lo: int, hi: int):

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_paged import _validation
-from pallas_paged._platform import (device_kind, kernel_addresses_overflow, resolve_interpret,
-                                    sm_count, without_triton_deprecation)
+from pallas_paged._platform import (device_kind, resolve_interpret, sm_count,
+                                    without_triton_deprecation)
 from pallas_paged.cache_write.fp8 import scale_operand
 from pallas_paged.decode_attention import configs
 from pallas_paged.decode_attention.configs import DecodeConfig, DecodeShape
@@ -106,19 +106,8 @@ def decode(
                    sliding_window=sliding_window, sinks=sinks)
     _validation.static_validate_decode(q, k_cache, v_cache, block_tables, context_lens,
                                        k_scale=k_scale, v_scale=v_scale, **options)
-    if not isinstance(impl, str) or impl not in DECODE_IMPLS:
-        raise ValueError(f"impl={impl!r} must be one of {DECODE_IMPLS} (static under jax.jit)")
-    if not isinstance(return_lse, bool):
-        raise ValueError(f"return_lse must be a python bool (static under jax.jit), got {return_lse!r}")
-    if interpret is not None and not isinstance(interpret, bool):
-        raise ValueError(f"interpret must be a python bool or None (static under jax.jit), got {interpret!r}")
-    if impl == "pallas" and kernel_addresses_overflow(k_cache.shape, k_cache.dtype):
-        raise ValueError(
-            f"impl='pallas' cannot address a {jnp.dtype(k_cache.dtype).name} cache of 2**31 to"
-            f" 2**32 elements ({k_cache.shape=}; Triton offsets stay 32-bit below 2**32 bytes):"
-            " use impl='xla', or a cache of fewer than 2**31 or more than 2**32 elements")
-    if config is not None and not isinstance(config, DecodeConfig):
-        raise ValueError(f"config must be a DecodeConfig or None, got {type(config).__name__}")
+    _validation.static_validate_call(k_cache, impl=impl, impls=DECODE_IMPLS, return_lse=return_lse,
+                                     interpret=interpret, config=config, config_type=DecodeConfig)
     num_blocks, block_size = k_cache.shape[:2]
     capacity = block_tables.shape[1] * block_size
     if sliding_window is not None and sliding_window >= capacity:

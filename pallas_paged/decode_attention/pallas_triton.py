@@ -56,6 +56,25 @@ def dot_dtype(q_dtype, cache_dtype):
     return jnp.dtype(q_dtype)
 
 
+def query_for_dots(q, score_scale, compute_dtype):
+    """A tile of queries in the dots' operand dtype, and the factor its scores take.
+
+    For fp16 dots over a bf16 (or fp32) query: bf16's range is wider than fp16's, so q is divided
+    by a power of two that brings ``max |q|`` under 2**15 (exact), and the scores are multiplied
+    back by it (see `dot_dtype`).
+
+    Returns:
+      ``(q in compute_dtype, score_scale)``.
+    """
+    if compute_dtype == jnp.float16 and q.dtype != jnp.float16:
+        q = q.astype(jnp.float32)
+        q_max = jnp.max(jnp.max(jnp.abs(q), axis=1), axis=0)
+        q_shift = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(q_max / FP16_SAFE_MAX)), 0.0))
+        q = q / q_shift
+        score_scale = score_scale * q_shift
+    return q.astype(compute_dtype), score_scale
+
+
 def _dot_nt(a, b):
     """``a @ b.T`` accumulated in fp32."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=HIGHEST,
@@ -126,15 +145,7 @@ def _paged_decode_kernel(
     q = plgpu.load(q_ref.at[b, h, rows[:, None], cols[None, :]],
                    mask=row_ok[:, None] & col_ok[None, :], other=0)  # [Gp, Dp]
     score_scale = scale if scales_ref is None else scales_ref[0] * scale
-    if compute_dtype == jnp.float16 and q_ref.dtype != jnp.float16:
-        # bf16's range is wider than fp16's: divide q by a power of two that brings max |q| under
-        # 2**15 (exact), and multiply the scores back by it.
-        q = q.astype(jnp.float32)
-        q_max = jnp.max(jnp.max(jnp.abs(q), axis=1), axis=0)
-        q_shift = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(q_max / FP16_SAFE_MAX)), 0.0))
-        q = q / q_shift
-        score_scale = score_scale * q_shift
-    q = q.astype(compute_dtype)
+    q, score_scale = query_for_dots(q, score_scale, compute_dtype)
     if alibi_ref is not None:
         slopes = plgpu.load(alibi_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gp]
 

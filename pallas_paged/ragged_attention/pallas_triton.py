@@ -44,8 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_paged._platform import next_power_of_2
-from pallas_paged.decode_attention.pallas_triton import (FP16_SAFE_MAX, _dot_nn, _dot_nt,
-                                                         _merge_splits, dot_dtype)
+from pallas_paged.decode_attention.pallas_triton import (_dot_nn, _dot_nt, _merge_splits,
+                                                         dot_dtype, query_for_dots)
 from pallas_paged.ragged_attention.configs import AttentionConfig
 
 
@@ -190,15 +190,7 @@ def _ragged_attention_kernel(
                    mask=row_real[:, None] & col_ok[None, :], other=0)  # [M, Dp]
     # The fp8 dequantization scales enter here (scores) and after the loops (values) only.
     score_scale = scale if scales_ref is None else scales_ref[0] * scale
-    if compute_dtype == jnp.float16 and q_ref.dtype != jnp.float16:
-        # bf16's range is wider than fp16's: divide q by a power of two that brings max |q| under
-        # 2**15 (exact), and multiply the scores back by it.
-        q = q.astype(jnp.float32)
-        q_max = jnp.max(jnp.max(jnp.abs(q), axis=1), axis=0)
-        q_shift = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(q_max / FP16_SAFE_MAX)), 0.0))
-        q = q / q_shift
-        score_scale = score_scale * q_shift
-    q = q.astype(compute_dtype)
+    q, score_scale = query_for_dots(q, score_scale, compute_dtype)
     if alibi_ref is not None:
         slopes = plgpu.load(alibi_ref.at[head], mask=row_real, other=0)  # f32[M]
 
