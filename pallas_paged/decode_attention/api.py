@@ -17,11 +17,12 @@ from pallas_paged import _validation
 from pallas_paged._platform import (device_kind, kernel_addresses_overflow, resolve_interpret,
                                     sm_count, without_triton_deprecation)
 from pallas_paged.decode_attention import configs
-from pallas_paged.decode_attention.configs import DecodeConfig, DecodeShape
+from pallas_paged.decode_attention.configs import DecodeConfig, DecodeShape, MosaicDecodeConfig
+from pallas_paged.decode_attention.mosaic_gpu import decode_mosaic
 from pallas_paged.decode_attention.pallas_triton import decode_pallas
 from pallas_paged.decode_attention.xla import decode_xla
 
-DECODE_IMPLS = ("pallas", "xla")
+DECODE_IMPLS = ("pallas", "xla", "mosaic")
 
 
 def decode_shape(q, k_cache, block_tables) -> DecodeShape:
@@ -81,9 +82,10 @@ def decode(
       k_scale, v_scale: static per-tensor dequantization scales of an fp8 cache.
       return_lse: also return ``lse f32[batch, num_heads]`` (``-inf`` for ``n == 0``).
       impl: ``"pallas"`` (the kernel) or ``"xla"`` (plain jnp, the readable reference). The kernel
-        cannot address fp8 caches of 2**31 to 2**32 elements (ValueError).
+        cannot address fp8 caches of 2**31 to 2**32 elements (ValueError). ``"mosaic"``: the
+        Mosaic GPU kernel (``mosaic_gpu.py``: jax >= 0.11.2, sm_90+, bf16/fp16 queries).
       interpret: Pallas interpret mode; None means exactly when there is no GPU backend.
-      config: kernel knobs (`DecodeConfig`); None takes the tuned table's entry for this shape
+      config: kernel knobs (`DecodeConfig`, `MosaicDecodeConfig` for ``"mosaic"``); None takes the tuned table's entry for this shape
         class, or the heuristic.
 
     Returns:
@@ -105,8 +107,10 @@ def decode(
             f"impl='pallas' cannot address a {jnp.dtype(k_cache.dtype).name} cache of 2**31 to"
             f" 2**32 elements ({k_cache.shape=}; Triton offsets stay 32-bit below 2**32 bytes):"
             " use impl='xla', or a cache of fewer than 2**31 or more than 2**32 elements")
-    if config is not None and not isinstance(config, DecodeConfig):
-        raise ValueError(f"config must be a DecodeConfig or None, got {type(config).__name__}")
+    config_type = MosaicDecodeConfig if impl == "mosaic" else DecodeConfig
+    if config is not None and not isinstance(config, config_type):
+        raise ValueError(f"config must be a {config_type.__name__} or None for impl={impl!r},"
+                         f" got {type(config).__name__}")
     batch, num_heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     options.update(scale=scale, k_scale=k_scale, v_scale=v_scale)
@@ -115,6 +119,12 @@ def decode(
         lse = jnp.zeros((0, num_heads), jnp.float32)
     elif impl == "xla":
         out, lse = decode_xla(q, k_cache, v_cache, block_tables, context_lens, **options)
+    elif impl == "mosaic":
+        if config is None:
+            config = configs.lookup_mosaic(decode_shape(q, k_cache, block_tables), device_kind(),
+                                           sm_count())
+        out, lse = decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, config=config,
+                                 interpret=resolve_interpret(interpret), **options)
     else:
         if config is None:
             config = configs.lookup(decode_shape(q, k_cache, block_tables), device_kind(), sm_count())

@@ -1,0 +1,371 @@
+"""Paged decode attention, the Mosaic GPU kernel: ``decode(..., impl="mosaic")``.
+
+Pallas Triton is deprecated from jax 0.11; this is the same operation written for Mosaic GPU
+(``plgpu.kernel``, Hopper and later), where the TMA engine streams whole pages into shared memory.
+Read top to bottom (the public function is `pallas_paged.decode_attention.api.decode`):
+
+1. `_paged_decode_kernel` works on refs only. One CTA (one warpgroup) owns one
+   (sequence, kv head, KV split). A tile is ``block_k`` consecutive tokens of the sequence:
+   ``block_k / block_size`` pages (one TMA copy each, addressed by the block id read from the table
+   in GMEM) or, for pages larger than a tile, one slice of one page. Tiles flow through a ring of
+   ``num_stages`` shared-memory stages, each guarded by an mbarrier that the TMA completes; the
+   next tile's copies are issued as soon as a stage has been consumed, so ``num_stages - 1`` tiles
+   are in flight while one is computed.
+   The ``group`` query heads of the kv head are computed together: they are the rows of the wgmma
+   (padded to its minimum M of 64 with zero queries; decode is bound by reading the cache, not by
+   the tensor cores). ``S = Q K^T`` and ``O += P V`` both run on the tensor cores with fp32
+   accumulators, the online softmax in fp32 registers.
+   Each CTA writes its unnormalized ``(o, m, l)``; `_merge_splits` (shared with the Triton kernel)
+   combines the splits, adds the sink and normalizes.
+2. `decode_mosaic` checks what this kernel supports, builds the padded query, the grid
+   ``(batch, num_kv_heads, num_splits)``, calls the kernel and merges.
+3. `decode` (in ``api.py``) validates, resolves the scale and the config, and dispatches.
+
+Safety, by construction (values cannot raise under jit):
+
+- Table entries are read only for pages ``first // block_size .. (n - 1) // block_size`` of the
+  tile range (``first`` the window start): a tile's page slots past the sequence (or before the
+  window) re-read an in-range page of the same tile instead of reading the table tail. Every block
+  id is clamped into ``[0, num_blocks)`` before it becomes an address, and lengths into
+  ``[0, max_blocks * block_size]``.
+- Scores of positions outside ``[first, n)`` are ``-inf`` (a select, so NaN keys vanish too), and
+  on tiles that hold such positions the V rows are replaced by zeros in shared memory before the
+  ``P V`` product: ``0 * NaN`` cannot reach the output.
+- A row with no valid position gives zeros and ``lse = -inf`` (the merge's rule).
+
+Supported: bf16 / fp16 queries (fp32 would run the tensor cores in TF32, which SPEC forbids: use
+``impl="pallas"`` or ``"xla"``), caches of the query's dtype or float8_e4m3fn (converted to the
+query's dtype in shared memory; both hold every e4m3 value exactly), ``head_dim`` a multiple of 64
+up to 256, ``block_size`` a multiple of 8 that divides ``block_k`` or is a multiple of it, groups
+up to 64 query heads per kv head. jax >= 0.11.2 (``plgpu.kernel``), GPUs of compute capability 9.0
+or later; interpret mode (``plgpu.InterpretGPUParams``) on any machine.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_paged.decode_attention.configs import MosaicDecodeConfig
+from pallas_paged.decode_attention.pallas_triton import _merge_splits, tile_range
+
+MIN_JAX = (0, 11, 2)  # plgpu.kernel with out_type / scratch_types and warpgroup semantics
+MMA_ROWS = 64  # wgmma's M: the query rows of a group, padded with zero queries
+SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+KERNEL_NAME = "pallas_paged_decode_mosaic"
+
+
+def jax_version() -> tuple[int, ...]:
+    parts = []
+    for piece in jax.__version__.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _plgpu():
+    """``jax.experimental.pallas.mosaic_gpu``, or ValueError where its API is not the one used."""
+    if jax_version() < MIN_JAX:
+        raise ValueError(
+            f"impl='mosaic' needs jax >= {'.'.join(map(str, MIN_JAX))} (plgpu.kernel), found"
+            f" jax {jax.__version__}: use impl='pallas' or impl='xla'")
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu
+
+
+def check_device(interpret: bool) -> None:
+    """ValueError unless the kernel can run here: interpret mode anywhere, compiled on sm_90+."""
+    if interpret:
+        return
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        raise ValueError(
+            f"impl='mosaic' compiled (interpret=False) needs an NVIDIA GPU, found"
+            f" {device.platform!r} ({device.device_kind}): pass interpret=True or use impl='xla'")
+    capability = getattr(device, "compute_capability", None)
+    if capability is None:
+        raise ValueError(f"impl='mosaic' needs an NVIDIA GPU of compute capability >= 9.0, found"
+                         f" {device.device_kind!r}: use impl='pallas'")
+    major = int(str(capability).split(".")[0])
+    if major < 9:
+        raise ValueError(
+            f"impl='mosaic' needs compute capability >= 9.0 (Hopper: TMA, wgmma), found"
+            f" {device.device_kind!r} with compute capability {capability}: use impl='pallas'")
+
+
+def check_supported(q, k_cache, config: MosaicDecodeConfig) -> None:
+    """ValueError naming the argument for every shape or dtype this kernel does not handle."""
+    _, num_heads, head_dim = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(
+            f"impl='mosaic' takes bf16 or fp16 queries, got {q.dtype=} (fp32 would run the"
+            " tensor cores in TF32): use impl='pallas' or impl='xla' for fp32")
+    if jnp.dtype(k_cache.dtype) not in (jnp.dtype(q.dtype), FP8):
+        raise ValueError(f"impl='mosaic' takes caches of q's dtype or float8_e4m3fn, got"
+                         f" {k_cache.dtype=} with {q.dtype=}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"impl='mosaic' supports head_dim in {SUPPORTED_HEAD_DIMS}, got"
+                         f" {q.shape=} (head_dim={head_dim}): use impl='pallas'")
+    block_k = config.block_k
+    if block_size % 8 or (block_k % block_size and block_size % block_k):
+        raise ValueError(
+            f"impl='mosaic' needs block_size a multiple of 8 that divides block_k={block_k} or is"
+            f" a multiple of it, got {k_cache.shape=} (block_size={block_size}): use"
+            " impl='pallas'")
+    if num_heads // kvh > MMA_ROWS:
+        raise ValueError(f"impl='mosaic' supports up to {MMA_ROWS} query heads per kv head, got"
+                         f" {q.shape=} with {k_cache.shape=}: use impl='pallas'")
+
+
+def _paged_decode_kernel(
+    lens_ref,     # i32[batch]                                          (GMEM)
+    tables_ref,   # i32[batch, max_blocks]                              (GMEM)
+    q_ref,        # [batch, num_kv_heads, 64, head_dim], zero rows past the group
+    k_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]    (the cache)
+    v_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]
+    alibi_ref,    # f32[num_kv_heads, 64] or None
+    o_ref,        # f32[batch, num_kv_heads, num_splits, group, head_dim], unnormalized
+    m_ref,        # f32[batch, num_kv_heads, num_splits, 64], running max
+    l_ref,        # f32[batch, num_kv_heads, num_splits, 64], sum of exponentials
+    *,
+    plgpu,
+    scale: float,
+    group: int,
+    block_k: int,
+    num_splits: int,
+    num_stages: int,
+    soft_cap: float | None,
+    window: int | None,
+    v_scale: float | None,
+    compute_dtype,
+):
+    num_blocks, block_size, _, head_dim = k_ref.shape
+    max_blocks = tables_ref.shape[1]
+    b = jax.lax.axis_index("batch")
+    h = jax.lax.axis_index("kv_head")
+    split = jax.lax.axis_index("split")
+    n = jnp.clip(lens_ref[b], 0, max_blocks * block_size)
+    first, tile_lo, tile_hi = tile_range(n, split, block_k=block_k, num_splits=num_splits,
+                                         window=window)
+    num_tiles = jnp.maximum(tile_hi - tile_lo, 0)
+    # Pages the tiles may address: the table is read only inside [page_lo, page_hi].
+    page_lo, page_hi = first // block_size, jnp.maximum(n - 1, 0) // block_size
+    convert = jnp.dtype(k_ref.dtype) != jnp.dtype(compute_dtype)
+
+    def body(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem, ml_smem,
+             q_bar, k_bars, v_bars):
+        # q_smem [64, D]; p_smem [64, block_k] in compute_dtype; k_smem, v_smem [stages, block_k, D] in the cache dtype; kc_smem, vc_smem
+        # [block_k, D] in compute_dtype (fp8 caches only, else None); alibi_smem f32[64] or None;
+        # o_smem f32[64, D]; ml_smem f32[2, 64]; barriers: q_bar, k_bars[stages], v_bars[stages].
+
+        def issue(tile, slot):
+            """TMA the K and V rows of ``tile`` into stage ``slot`` (arrives on its barriers)."""
+            if block_size <= block_k:
+                for j in range(block_k // block_size):
+                    page = jnp.clip(tile * (block_k // block_size) + j, page_lo, page_hi)
+                    block = jnp.clip(tables_ref[b, page], 0, num_blocks - 1)
+                    rows = pl.ds(j * block_size, block_size)
+                    plgpu.copy_gmem_to_smem(k_ref.at[block, :, h], k_smem.at[slot, rows],
+                                            k_bars.at[slot])
+                    plgpu.copy_gmem_to_smem(v_ref.at[block, :, h], v_smem.at[slot, rows],
+                                            v_bars.at[slot])
+            else:
+                per_page = block_size // block_k
+                page = jnp.clip(tile // per_page, page_lo, page_hi)
+                block = jnp.clip(tables_ref[b, page], 0, num_blocks - 1)
+                rows = pl.ds((tile % per_page) * block_k, block_k)
+                plgpu.copy_gmem_to_smem(k_ref.at[block, rows, h], k_smem.at[slot], k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[block, rows, h], v_smem.at[slot], v_bars.at[slot])
+
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
+        if alibi_smem is not None:
+            alibi_smem[...] = alibi_ref[h]
+        for i in range(num_stages):
+            @pl.when(i < num_tiles)
+            def _prologue():
+                issue(tile_lo + i, i)
+        plgpu.barrier_wait(q_bar)
+        if alibi_smem is not None:
+            slopes = alibi_smem[...]  # f32[64]
+
+        def tile_body(step, carry):
+            acc, m_prev, l_prev = carry  # f32[64, D], f32[64], f32[64]
+            tile = tile_lo + step
+            slot = jax.lax.rem(step, num_stages)
+            pos = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, (MMA_ROWS, block_k), 1)
+            valid = (pos >= first) & (pos < n)
+            partial = (tile * block_k < first) | ((tile + 1) * block_k > n)
+
+            plgpu.barrier_wait(k_bars.at[slot])
+            if convert:
+                kc_smem[...] = k_smem[slot].astype(compute_dtype)
+                plgpu.commit_smem()
+                k_tile = kc_smem
+            else:
+                k_tile = k_smem.at[slot]
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((MMA_ROWS, block_k), jnp.float32))  # f32[64, Tk]
+            s = s * scale
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            if alibi_smem is not None:
+                rel = (pos - (n - 1)).astype(jnp.float32)
+                s = s + jax.lax.broadcast_in_dim(slopes, s.shape, [0]) * rel
+            s = jnp.where(valid, s, -jnp.inf)
+            m_next = jnp.maximum(m_prev, s.max(axis=1))
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+            alpha = jnp.exp(m_prev - m_safe)  # f32[64]
+            p = jnp.exp(s - jax.lax.broadcast_in_dim(m_safe, s.shape, [0]))  # 0 where masked
+            l_next = l_prev * alpha + p.sum(axis=1)
+
+            plgpu.barrier_wait(v_bars.at[slot])
+            row = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
+            row_ok = (row >= first) & (row < n)
+            if convert:
+                v = v_smem[slot].astype(compute_dtype)
+                vc_smem[...] = jnp.where(row_ok, v, jnp.zeros_like(v))
+                plgpu.commit_smem()
+                v_tile = vc_smem
+            else:
+                @pl.when(partial)
+                def _zero_invalid_rows():
+                    v = v_smem[slot]
+                    v_smem[slot] = jnp.where(row_ok, v, jnp.zeros_like(v))
+                    plgpu.commit_smem()
+                v_tile = v_smem.at[slot]
+
+            # P goes through shared memory: interpret mode takes wgmma operands from SMEM only.
+            p_smem[...] = p.astype(compute_dtype)
+            plgpu.commit_smem()
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_tile)
+                return acc_ref[...]
+
+            # A fresh accumulator per tile (its own scope: interpret mode cannot mix ACC with
+            # other memory spaces, nor seed it from registers), added to the rescaled sum.
+            pv_tile = pl.run_scoped(pv, plgpu.ACC((MMA_ROWS, head_dim), jnp.float32))
+            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_tile
+
+            @pl.when(step + num_stages < num_tiles)
+            def _refill():
+                issue(tile + num_stages, slot)
+
+            return acc, m_next, l_next
+
+        carry = (jnp.zeros((MMA_ROWS, head_dim), jnp.float32),
+                 jnp.full((MMA_ROWS,), -jnp.inf, jnp.float32),
+                 jnp.zeros((MMA_ROWS,), jnp.float32))
+        acc, m, l = jax.lax.fori_loop(0, num_tiles, tile_body, carry)
+        if v_scale is not None:
+            acc = acc * v_scale
+        o_smem[...] = acc
+        ml_smem[0] = m
+        ml_smem[1] = l
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[b, h, split])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[b, h, split])
+        plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[b, h, split])
+        plgpu.wait_smem_to_gmem(0)
+
+    def smem(shape, dtype, *, mma_operand):
+        if not mma_operand:
+            return plgpu.SMEM(shape, dtype)
+        itemsize = jnp.dtype(dtype).itemsize
+        swizzle = 128
+        return plgpu.SMEM(shape, dtype, transforms=(
+            plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
+
+    cache_dtype = k_ref.dtype
+    scratch = (
+        smem((MMA_ROWS, head_dim), compute_dtype, mma_operand=True),
+        smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
+        smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
+        smem((block_k, head_dim), compute_dtype, mma_operand=True) if convert else None,
+        smem((block_k, head_dim), compute_dtype, mma_operand=True) if convert else None,
+        smem((MMA_ROWS, block_k), compute_dtype, mma_operand=True),
+        smem((MMA_ROWS,), jnp.float32, mma_operand=False) if alibi_ref is not None else None,
+        smem((MMA_ROWS, head_dim), jnp.float32, mma_operand=False),
+        smem((2, MMA_ROWS), jnp.float32, mma_operand=False),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
+    )
+    pl.run_scoped(body, *scratch)
+
+
+def _copies_per_tile(block_size: int, block_k: int) -> int:
+    return block_k // block_size if block_size <= block_k else 1
+
+
+def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
+                  config: MosaicDecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
+                  sliding_window, sinks, k_scale, v_scale):
+    """The Mosaic GPU kernel over the grid ``(batch, num_kv_heads, num_splits)``, then the merge.
+
+    Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float).
+
+    Returns:
+      ``(out [batch, num_heads, head_dim] in q.dtype, lse f32[batch, num_heads])``.
+
+    Raises:
+      ValueError: on jax < 0.11.2, on GPUs before sm_90 (compiled), and for shapes or dtypes the
+        kernel does not support (see the module docstring).
+    """
+    plgpu = _plgpu()
+    check_supported(q, k_cache, config)
+    check_device(interpret)
+    batch, num_heads, head_dim = q.shape
+    _, _, kvh, _ = k_cache.shape
+    group = num_heads // kvh
+    splits = config.num_splits
+    compute_dtype = jnp.dtype(q.dtype)
+    lens = context_lens.astype(jnp.int32)
+    tables = block_tables.astype(jnp.int32)
+    pad_rows = ((0, 0), (0, 0), (0, MMA_ROWS - group))
+    q_padded = jnp.pad(q.reshape(batch, kvh, group, head_dim), pad_rows + ((0, 0),))
+    alibi = None
+    if alibi_slopes is not None:
+        alibi = jnp.pad(alibi_slopes.astype(jnp.float32).reshape(kvh, group),
+                        ((0, 0), (0, MMA_ROWS - group)))
+    score_scale = scale if k_scale is None else scale * k_scale
+    body = functools.partial(
+        _paged_decode_kernel, plgpu=plgpu, scale=score_scale, group=group,
+        block_k=config.block_k, num_splits=splits, num_stages=config.num_stages,
+        soft_cap=logits_soft_cap, window=sliding_window, v_scale=v_scale,
+        compute_dtype=compute_dtype)
+    if alibi is None:
+        kernel_body = lambda lens_r, tables_r, q_r, k_r, v_r, *outs: body(  # noqa: E731
+            lens_r, tables_r, q_r, k_r, v_r, None, *outs)
+        operands = (lens, tables, q_padded, k_cache, v_cache)
+    else:
+        kernel_body = body
+        operands = (lens, tables, q_padded, k_cache, v_cache, alibi)
+    out_type = (jax.ShapeDtypeStruct((batch, kvh, splits, group, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((batch, kvh, splits, MMA_ROWS), jnp.float32),
+                jax.ShapeDtypeStruct((batch, kvh, splits, MMA_ROWS), jnp.float32))
+    name = (f"{KERNEL_NAME}_bk{config.block_k}_s{splits}_st{config.num_stages}_g{group}"
+            f"_d{head_dim}_bs{k_cache.shape[1]}")
+    o, m, l = plgpu.kernel(
+        kernel_body,
+        out_type=out_type,
+        grid=(batch, kvh, splits),
+        grid_names=("batch", "kv_head", "split"),
+        kernel_name=name,
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(*operands)
+    n = jnp.clip(lens, 0, block_tables.shape[1] * k_cache.shape[1])
+    sinks_per_head = None if sinks is None else sinks.astype(jnp.float32).reshape(kvh, group)
+    out, lse = _merge_splits(o, m[..., :group], l[..., :group], n, sinks_per_head)
+    return (out.astype(q.dtype).reshape(batch, num_heads, head_dim),
+            lse.reshape(batch, num_heads))
