@@ -147,13 +147,13 @@ class MosaicDecodeConfig:
 
 
 def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDecodeConfig:
-    """A reasonable Mosaic config for any shape: 64-token tiles, a ring of stages that keeps about
-    48 KiB of K/V in flight per CTA, and splits that put about four CTAs on each multiprocessor
+    """A reasonable Mosaic config for any shape: 64-token tiles, a ring of up to six stages that
+    holds about 128 KiB of K/V per CTA, and splits that put about four CTAs on each multiprocessor
     (the Triton kernel's measured rule, `_num_splits`)."""
     itemsize = jnp.dtype(shape.cache_dtype).itemsize
     block_k = 64
     stage_bytes = 2 * block_k * shape.head_dim * itemsize
-    num_stages = max(2, min(4, (48 * 1024) // stage_bytes))
+    num_stages = max(2, min(6, (128 * 1024) // stage_bytes))
     return MosaicDecodeConfig(block_k=block_k, num_splits=_num_splits(shape, block_k, sm_count),
                               num_stages=num_stages)
 

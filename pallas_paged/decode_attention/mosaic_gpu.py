@@ -35,8 +35,9 @@ Safety, by construction (values cannot raise under jit):
 
 Supported: bf16 / fp16 queries (fp32 would run the tensor cores in TF32, which SPEC forbids: use
 ``impl="pallas"`` or ``"xla"``), caches of the query's dtype or float8_e4m3fn (converted to the
-query's dtype in shared memory; both hold every e4m3 value exactly), ``head_dim`` a multiple of 64
-up to 256, ``block_size`` a multiple of 8 that divides ``block_k`` or is a multiple of it, groups
+query's dtype in shared memory; both hold every e4m3 value exactly), ``head_dim`` 64 or 128 (32:
+Mosaic's layout inference finds no layout for its 64-byte rows; 256: the fp32 output staging
+does not fit in shared memory beside two stages), ``block_size`` a multiple of 8 that divides ``block_k`` or is a multiple of it, groups
 up to 64 query heads per kv head. jax >= 0.11.2 (``plgpu.kernel``), GPUs of compute capability 9.0
 or later; interpret mode (``plgpu.InterpretGPUParams``) on any machine.
 """
@@ -54,9 +55,24 @@ from pallas_paged.decode_attention.pallas_triton import _merge_splits, tile_rang
 
 MIN_JAX = (0, 11, 2)  # plgpu.kernel with out_type / scratch_types and warpgroup semantics
 MMA_ROWS = 64  # wgmma's M: the query rows of a group, padded with zero queries
-SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
+SUPPORTED_HEAD_DIMS = (64, 128)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 KERNEL_NAME = "pallas_paged_decode_mosaic"
+MAX_SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on sm_90
+
+
+def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeConfig,
+               alibi: bool = False) -> int:
+    """Shared memory the kernel allocates for one CTA (the scratch of `_paged_decode_kernel`)."""
+    cache, compute = jnp.dtype(cache_dtype).itemsize, jnp.dtype(compute_dtype).itemsize
+    tile = config.block_k * head_dim
+    total = MMA_ROWS * head_dim * compute            # q
+    total += 2 * config.num_stages * tile * cache    # the K and V ring
+    if jnp.dtype(cache_dtype) != jnp.dtype(compute_dtype):
+        total += 2 * tile * compute                  # converted K and V tiles
+    total += MMA_ROWS * config.block_k * compute     # P
+    total += MMA_ROWS * (head_dim + 2 + alibi) * 4   # o, m, l (and the slopes)
+    return total + 8 * (1 + 2 * config.num_stages)   # barriers
 
 
 def jax_version() -> tuple[int, ...]:
@@ -117,6 +133,11 @@ def check_supported(q, k_cache, config: MosaicDecodeConfig) -> None:
             f"impl='mosaic' needs block_size a multiple of 8 that divides block_k={block_k} or is"
             f" a multiple of it, got {k_cache.shape=} (block_size={block_size}): use"
             " impl='pallas'")
+    need = smem_bytes(head_dim, k_cache.dtype, q.dtype, config, alibi=True)
+    if need > MAX_SMEM_BYTES:
+        raise ValueError(
+            f"config={config} needs {need} bytes of shared memory for {k_cache.shape=}, more than"
+            f" the {MAX_SMEM_BYTES} of one CTA: fewer num_stages or a smaller block_k")
     if num_heads // kvh > MMA_ROWS:
         raise ValueError(f"impl='mosaic' supports up to {MMA_ROWS} query heads per kv head, got"
                          f" {q.shape=} with {k_cache.shape=}: use impl='pallas'")
@@ -203,7 +224,7 @@ def _paged_decode_kernel(
 
             plgpu.barrier_wait(k_bars.at[slot])
             if convert:
-                kc_smem[...] = k_smem[slot].astype(compute_dtype)
+                kc_smem[...] = _from_fp8(k_smem[slot], compute_dtype)
                 plgpu.commit_smem()
                 k_tile = kc_smem
             else:
@@ -231,7 +252,7 @@ def _paged_decode_kernel(
             row = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
             row_ok = (row >= first) & (row < n)
             if convert:
-                v = v_smem[slot].astype(compute_dtype)
+                v = _from_fp8(v_smem[slot], compute_dtype)
                 vc_smem[...] = jnp.where(row_ok, v, jnp.zeros_like(v))
                 plgpu.commit_smem()
                 v_tile = vc_smem
@@ -281,7 +302,8 @@ def _paged_decode_kernel(
         if not mma_operand:
             return plgpu.SMEM(shape, dtype)
         itemsize = jnp.dtype(dtype).itemsize
-        swizzle = 128
+        row_bytes = shape[-1] * itemsize  # 32, 64 or >= 128 bytes: the widest swizzle that fits
+        swizzle = 128 if row_bytes % 128 == 0 else 64 if row_bytes % 64 == 0 else 32
         return plgpu.SMEM(shape, dtype, transforms=(
             plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
 
@@ -301,6 +323,13 @@ def _paged_decode_kernel(
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
     )
     pl.run_scoped(body, *scratch)
+
+
+def _from_fp8(x, dtype):
+    """fp8 -> ``dtype`` through fp16, the one conversion from e4m3 that sm_90 has in hardware
+    (exact: fp16 holds every e4m3 value, and bf16 every one of those)."""
+    x = x.astype(jnp.float16)
+    return x if jnp.dtype(dtype) == jnp.dtype(jnp.float16) else x.astype(dtype)
 
 
 def _copies_per_tile(block_size: int, block_k: int) -> int:
