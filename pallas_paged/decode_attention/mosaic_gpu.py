@@ -58,6 +58,7 @@ MMA_ROWS = 64  # wgmma's M: the query rows of a group, padded with zero queries
 SUPPORTED_HEAD_DIMS = (64, 128)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 KERNEL_NAME = "pallas_paged_decode_mosaic"
+PRODUCER, CONSUMER = 0, 1  # the two warpgroups of a CTA
 MAX_SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on sm_90
 
 
@@ -72,7 +73,7 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
         total += 2 * tile * compute                  # converted K and V tiles
     total += MMA_ROWS * config.block_k * compute     # P
     total += MMA_ROWS * (head_dim + 2 + alibi) * 4   # o, m, l (and the slopes)
-    return total + 8 * (1 + 2 * config.num_stages)   # barriers
+    return total + 8 * (1 + 3 * config.num_stages)   # barriers
 
 
 def jax_version() -> tuple[int, ...]:
@@ -179,37 +180,69 @@ def _paged_decode_kernel(
     convert = jnp.dtype(k_ref.dtype) != jnp.dtype(compute_dtype)
 
     def body(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem, ml_smem,
-             q_bar, k_bars, v_bars):
-        # q_smem [64, D]; p_smem [64, block_k] in compute_dtype; k_smem, v_smem [stages, block_k, D] in the cache dtype; kc_smem, vc_smem
-        # [block_k, D] in compute_dtype (fp8 caches only, else None); alibi_smem f32[64] or None;
-        # o_smem f32[64, D]; ml_smem f32[2, 64]; barriers: q_bar, k_bars[stages], v_bars[stages].
+             q_bar, k_bars, v_bars, free_bars):
+        # q_smem [64, D]; k_smem, v_smem [stages, block_k, D] in the cache dtype; kc_smem, vc_smem
+        # [block_k, D] in compute_dtype (fp8 caches only, else None); p_smem [64, block_k] in
+        # compute_dtype; alibi_smem f32[64] or None; o_smem f32[64, D]; ml_smem f32[2, 64].
+        # Barriers: q_bar; k_bars[stages], v_bars[stages] (TMA done); free_bars[stages] (the
+        # consumer is done with a stage).
+        copies = _copies_per_tile(block_size, block_k)
 
-        def issue(tile, slot):
-            """TMA the K and V rows of ``tile`` into stage ``slot`` (arrives on its barriers)."""
+        def block_ids(tile):
+            """The ``copies`` block ids of ``tile``'s pages (page index clamped into the pages of
+            the tile range, so the table tail is never read; ids clamped into the cache)."""
             if block_size <= block_k:
-                for j in range(block_k // block_size):
-                    page = jnp.clip(tile * (block_k // block_size) + j, page_lo, page_hi)
-                    block = jnp.clip(tables_ref[b, page], 0, num_blocks - 1)
+                pages = [tile * copies + j for j in range(copies)]
+            else:
+                pages = [tile // (block_size // block_k)]
+            return tuple(jnp.clip(tables_ref[b, jnp.clip(page, page_lo, page_hi)], 0,
+                                  num_blocks - 1) for page in pages)
+
+        def issue(tile, slot, blocks):
+            """TMA the K and V rows of ``tile`` (pages ``blocks``) into stage ``slot``."""
+            if block_size <= block_k:
+                for j, block in enumerate(blocks):
                     rows = pl.ds(j * block_size, block_size)
                     plgpu.copy_gmem_to_smem(k_ref.at[block, :, h], k_smem.at[slot, rows],
                                             k_bars.at[slot])
                     plgpu.copy_gmem_to_smem(v_ref.at[block, :, h], v_smem.at[slot, rows],
                                             v_bars.at[slot])
             else:
-                per_page = block_size // block_k
-                page = jnp.clip(tile // per_page, page_lo, page_hi)
-                block = jnp.clip(tables_ref[b, page], 0, num_blocks - 1)
-                rows = pl.ds((tile % per_page) * block_k, block_k)
-                plgpu.copy_gmem_to_smem(k_ref.at[block, rows, h], k_smem.at[slot], k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[block, rows, h], v_smem.at[slot], v_bars.at[slot])
+                rows = pl.ds((tile % (block_size // block_k)) * block_k, block_k)
+                plgpu.copy_gmem_to_smem(k_ref.at[blocks[0], rows, h], k_smem.at[slot],
+                                        k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[blocks[0], rows, h], v_smem.at[slot],
+                                        v_bars.at[slot])
 
+        wg = jax.lax.axis_index("wg")
+
+        @pl.when(wg == PRODUCER)
+        def _producer():
+            # Walks the tiles at most `num_stages` ahead of the consumer. A tile's table entries
+            # are loaded before waiting for its stage to be free, so their latency hides behind
+            # the wait (only tiles of the range are visited: an empty range reads no entry).
+            @pl.loop(0, num_tiles)
+            def _produce(step):
+                slot = jax.lax.rem(step, num_stages)
+                blocks = block_ids(tile_lo + step)
+
+                @pl.when(step >= num_stages)
+                def _wait_free():
+                    plgpu.barrier_wait(free_bars.at[slot])
+
+                issue(tile_lo + step, slot, blocks)
+
+        @pl.when(wg == CONSUMER)
+        def _consumer():
+            consume(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem,
+                    ml_smem, q_bar, k_bars, v_bars, free_bars)
+
+    def consume(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem, ml_smem,
+                q_bar, k_bars, v_bars, free_bars):
+        """The consumer warpgroup: the online softmax over the tiles, then the partial results."""
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
         if alibi_smem is not None:
             alibi_smem[...] = alibi_ref[h]
-        for i in range(num_stages):
-            @pl.when(i < num_tiles)
-            def _prologue():
-                issue(tile_lo + i, i)
         plgpu.barrier_wait(q_bar)
         if alibi_smem is not None:
             slopes = alibi_smem[...]  # f32[64]
@@ -275,12 +308,13 @@ def _paged_decode_kernel(
             # A fresh accumulator per tile (its own scope: interpret mode cannot mix ACC with
             # other memory spaces, nor seed it from registers), added to the rescaled sum.
             pv_tile = pl.run_scoped(pv, plgpu.ACC((MMA_ROWS, head_dim), jnp.float32))
-            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_tile
-
+            # Both wgmmas have read the stage: free it, when the producer will refill it (every
+            # arrival is waited for, so no barrier phase is left unobserved).
             @pl.when(step + num_stages < num_tiles)
-            def _refill():
-                issue(tile + num_stages, slot)
+            def _free():
+                plgpu.barrier_arrive(free_bars.at[slot])
 
+            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_tile
             return acc, m_next, l_next
 
         carry = (jnp.zeros((MMA_ROWS, head_dim), jnp.float32),
@@ -321,8 +355,9 @@ def _paged_decode_kernel(
         plgpu.Barrier(),
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
     )
-    pl.run_scoped(body, *scratch)
+    pl.run_scoped(body, *scratch, collective_axes="wg")
 
 
 def _from_fp8(x, dtype):
@@ -389,6 +424,8 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
         out_type=out_type,
         grid=(batch, kvh, splits),
         grid_names=("batch", "kv_head", "split"),
+        num_threads=2,
+        thread_name="wg",
         kernel_name=name,
         compiler_params=plgpu.CompilerParams(approx_math=False),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
