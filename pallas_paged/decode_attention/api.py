@@ -85,8 +85,8 @@ def decode(
         cannot address fp8 caches of 2**31 to 2**32 elements (ValueError). ``"mosaic"``: the
         Mosaic GPU kernel (``mosaic_gpu.py``: jax >= 0.11.2, sm_90+, bf16/fp16 queries).
       interpret: Pallas interpret mode; None means exactly when there is no GPU backend.
-      config: kernel knobs (`DecodeConfig`, `MosaicDecodeConfig` for ``"mosaic"``); None takes the tuned table's entry for this shape
-        class, or the heuristic.
+      config: kernel knobs (`DecodeConfig`; `MosaicDecodeConfig` for ``"mosaic"``); None takes the
+        tuned table's entry for this shape class, or the heuristic.
 
     Returns:
       ``out [batch, num_heads, head_dim]`` in ``q.dtype``, or ``(out, lse)`` with ``return_lse``.

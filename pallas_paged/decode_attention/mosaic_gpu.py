@@ -4,42 +4,50 @@ Pallas Triton is deprecated from jax 0.11; this is the same operation written fo
 (``plgpu.kernel``, Hopper and later), where the TMA engine streams whole pages into shared memory.
 Read top to bottom (the public function is `pallas_paged.decode_attention.api.decode`):
 
-1. `_paged_decode_kernel` works on refs only. One CTA (one warpgroup) owns one
-   (sequence, kv head, KV split). A tile is ``block_k`` consecutive tokens of the sequence:
-   ``block_k / block_size`` pages (one TMA copy each, addressed by the block id read from the table
-   in GMEM) or, for pages larger than a tile, one slice of one page. Tiles flow through a ring of
-   ``num_stages`` shared-memory stages, each guarded by an mbarrier that the TMA completes; the
-   next tile's copies are issued as soon as a stage has been consumed, so ``num_stages - 1`` tiles
-   are in flight while one is computed.
-   The ``group`` query heads of the kv head are computed together: they are the rows of the wgmma
-   (padded to its minimum M of 64 with zero queries; decode is bound by reading the cache, not by
-   the tensor cores). ``S = Q K^T`` and ``O += P V`` both run on the tensor cores with fp32
-   accumulators, the online softmax in fp32 registers.
+1. `_paged_decode_kernel` works on refs only. One CTA owns one (sequence, kv head, KV split) and
+   has two warpgroups. A tile is ``block_k`` consecutive tokens of the sequence: ``block_k /
+   block_size`` whole pages (one TMA copy each, addressed by the block id read from the table in
+   GMEM) or, for pages larger than a tile, one slice of one page.
+   - The producer warpgroup walks the split's tiles, reads each tile's table entries, waits until
+     its stage of the ring of ``num_stages`` shared-memory stages is free, and issues the TMA
+     copies of K and V, which complete the stage's mbarriers.
+   - The consumer warpgroup computes the ``group`` query heads of the kv head together, as the
+     rows of the wgmma (padded to its minimum M of 64 with zero queries: decode is bound by reading
+     the cache, not by the tensor cores): ``S = Q K^T`` and ``P V`` on the tensor cores with fp32
+     accumulators, the online softmax in fp32 registers; then it frees the stage.
    Each CTA writes its unnormalized ``(o, m, l)``; `_merge_splits` (shared with the Triton kernel)
    combines the splits, adds the sink and normalizes.
-2. `decode_mosaic` checks what this kernel supports, builds the padded query, the grid
-   ``(batch, num_kv_heads, num_splits)``, calls the kernel and merges.
+2. `decode_mosaic` checks what the kernel supports, builds the padded (and, for fp8 caches,
+   range-shifted) query, calls the kernel over the grid ``(batch, num_kv_heads, num_splits)`` and
+   merges.
 3. `decode` (in ``api.py``) validates, resolves the scale and the config, and dispatches.
 
 Safety, by construction (values cannot raise under jit):
 
-- Table entries are read only for pages ``first // block_size .. (n - 1) // block_size`` of the
-  tile range (``first`` the window start): a tile's page slots past the sequence (or before the
-  window) re-read an in-range page of the same tile instead of reading the table tail. Every block
-  id is clamped into ``[0, num_blocks)`` before it becomes an address, and lengths into
+- Only the tiles of the split's range are visited, and a tile reads the table only for pages
+  ``first // block_size .. (n - 1) // block_size`` (``first`` the window start): a tile's page
+  slots past the sequence or before the window re-read an in-range page of the same tile, so the
+  table tail is never read, and pages wholly outside the window are not copied. Every block id is
+  clamped into ``[0, num_blocks)`` before it becomes an address; lengths into
   ``[0, max_blocks * block_size]``.
-- Scores of positions outside ``[first, n)`` are ``-inf`` (a select, so NaN keys vanish too), and
-  on tiles that hold such positions the V rows are replaced by zeros in shared memory before the
-  ``P V`` product: ``0 * NaN`` cannot reach the output.
+- Scores of positions outside ``[first, n)`` are ``-inf`` (a select: NaN keys vanish too), and on
+  tiles that hold such positions the V rows are replaced by zeros in shared memory before the
+  ``P V`` product, so ``0 * NaN`` cannot reach the output.
 - A row with no valid position gives zeros and ``lse = -inf`` (the merge's rule).
 
-Supported: bf16 / fp16 queries (fp32 would run the tensor cores in TF32, which SPEC forbids: use
-``impl="pallas"`` or ``"xla"``), caches of the query's dtype or float8_e4m3fn (converted to the
-query's dtype in shared memory; both hold every e4m3 value exactly), ``head_dim`` 64 or 128 (32:
-Mosaic's layout inference finds no layout for its 64-byte rows; 256: the fp32 output staging
-does not fit in shared memory beside two stages), ``block_size`` a multiple of 8 that divides ``block_k`` or is a multiple of it, groups
-up to 64 query heads per kv head. jax >= 0.11.2 (``plgpu.kernel``), GPUs of compute capability 9.0
-or later; interpret mode (``plgpu.InterpretGPUParams``) on any machine.
+Supported (anything else is a ValueError naming the argument):
+
+- bf16 / fp16 queries (fp32 would run the tensor cores in TF32, which SPEC forbids: use
+  ``impl="pallas"`` or ``"xla"``);
+- caches of the query's dtype, or float8_e4m3fn: tiles converted to fp16 in shared memory (sm_90's
+  one hardware conversion from e4m3; exact), a bf16 query divided by a power of two into fp16's
+  range as in the Triton kernel, the scores multiplied back;
+- ``head_dim`` 64 or 128 (32: Mosaic's layout inference finds no layout for 64-byte rows; 256: the
+  fp32 output staging does not fit in shared memory beside two stages);
+- ``block_size`` a multiple of 8 that divides ``block_k`` or is a multiple of it;
+- up to 64 query heads per kv head;
+- jax >= 0.11.2 (``plgpu.kernel``'s API), GPUs of compute capability 9.0 or later, or Mosaic GPU's
+  interpret mode (``plgpu.InterpretGPUParams``) on any machine.
 """
 
 from __future__ import annotations
@@ -51,7 +59,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_paged.decode_attention.configs import MosaicDecodeConfig
-from pallas_paged.decode_attention.pallas_triton import _merge_splits, tile_range
+from pallas_paged.decode_attention.pallas_triton import (FP16_SAFE_MAX, _merge_splits, dot_dtype,
+                                                         tile_range)
 
 MIN_JAX = (0, 11, 2)  # plgpu.kernel with out_type / scratch_types and warpgroup semantics
 MMA_ROWS = 64  # wgmma's M: the query rows of a group, padded with zero queries
@@ -151,6 +160,7 @@ def _paged_decode_kernel(
     k_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]    (the cache)
     v_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]
     alibi_ref,    # f32[num_kv_heads, 64] or None
+    shift_ref,    # f32[batch, num_kv_heads] or None: the power of two q was divided by
     o_ref,        # f32[batch, num_kv_heads, num_splits, group, head_dim], unnormalized
     m_ref,        # f32[batch, num_kv_heads, num_splits, 64], running max
     l_ref,        # f32[batch, num_kv_heads, num_splits, 64], sum of exponentials
@@ -242,10 +252,12 @@ def _paged_decode_kernel(
         """The consumer warpgroup: the online softmax over the tiles, then the partial results."""
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
         if alibi_smem is not None:
-            alibi_smem[...] = alibi_ref[h]
+            plgpu.copy_gmem_to_smem(alibi_ref.at[h], alibi_smem, q_bar)
         plgpu.barrier_wait(q_bar)
         if alibi_smem is not None:
-            slopes = alibi_smem[...]  # f32[64]
+            # f32[64], one slope per row of the scores (the layout of their row reductions).
+            slopes = plgpu.load(alibi_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+        score_scale = scale if shift_ref is None else scale * shift_ref[b, h]
 
         def tile_body(step, carry):
             acc, m_prev, l_prev = carry  # f32[64, D], f32[64], f32[64]
@@ -268,7 +280,7 @@ def _paged_decode_kernel(
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((MMA_ROWS, block_k), jnp.float32))  # f32[64, Tk]
-            s = s * scale
+            s = s * score_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             if alibi_smem is not None:
@@ -352,7 +364,7 @@ def _paged_decode_kernel(
         smem((MMA_ROWS,), jnp.float32, mma_operand=False) if alibi_ref is not None else None,
         smem((MMA_ROWS, head_dim), jnp.float32, mma_operand=False),
         smem((2, MMA_ROWS), jnp.float32, mma_operand=False),
-        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=1 if alibi_ref is None else 2),  # q (and the slopes)
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
         plgpu.Barrier(num_barriers=num_stages),
@@ -361,8 +373,7 @@ def _paged_decode_kernel(
 
 
 def _from_fp8(x, dtype):
-    """fp8 -> ``dtype`` through fp16, the one conversion from e4m3 that sm_90 has in hardware
-    (exact: fp16 holds every e4m3 value, and bf16 every one of those)."""
+    """fp8 -> ``dtype`` (fp16, the one conversion from e4m3 that sm_90 has in hardware; exact)."""
     x = x.astype(jnp.float16)
     return x if jnp.dtype(dtype) == jnp.dtype(jnp.float16) else x.astype(dtype)
 
@@ -392,11 +403,20 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
     _, _, kvh, _ = k_cache.shape
     group = num_heads // kvh
     splits = config.num_splits
-    compute_dtype = jnp.dtype(q.dtype)
+    compute_dtype = dot_dtype(q.dtype, k_cache.dtype)  # fp16 for fp8 caches
     lens = context_lens.astype(jnp.int32)
     tables = block_tables.astype(jnp.int32)
+    q_grouped = q.reshape(batch, kvh, group, head_dim)
+    shift = None
+    if compute_dtype != q.dtype:
+        # A bf16 query for the fp16 wgmmas of an fp8 cache: divide each group by the power of two
+        # that brings its largest |q| under 2**15 (exact), and multiply the scores back.
+        q32 = q_grouped.astype(jnp.float32)
+        q_max = jnp.max(jnp.abs(q32), axis=(2, 3))  # f32[batch, kvh]
+        shift = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(q_max / FP16_SAFE_MAX)), 0.0))
+        q_grouped = q32 / shift[..., None, None]
     pad_rows = ((0, 0), (0, 0), (0, MMA_ROWS - group))
-    q_padded = jnp.pad(q.reshape(batch, kvh, group, head_dim), pad_rows + ((0, 0),))
+    q_padded = jnp.pad(q_grouped.astype(compute_dtype), pad_rows + ((0, 0),))
     alibi = None
     if alibi_slopes is not None:
         alibi = jnp.pad(alibi_slopes.astype(jnp.float32).reshape(kvh, group),
@@ -407,13 +427,15 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
         block_k=config.block_k, num_splits=splits, num_stages=config.num_stages,
         soft_cap=logits_soft_cap, window=sliding_window, v_scale=v_scale,
         compute_dtype=compute_dtype)
-    if alibi is None:
-        kernel_body = lambda lens_r, tables_r, q_r, k_r, v_r, *outs: body(  # noqa: E731
-            lens_r, tables_r, q_r, k_r, v_r, None, *outs)
-        operands = (lens, tables, q_padded, k_cache, v_cache)
-    else:
-        kernel_body = body
-        operands = (lens, tables, q_padded, k_cache, v_cache, alibi)
+    optional = {"alibi": alibi, "shift": shift}  # inputs that only some calls have
+    present = [name for name, x in optional.items() if x is not None]
+
+    def kernel_body(lens_r, tables_r, q_r, k_r, v_r, *rest):
+        given = dict(zip(present, rest))
+        body(lens_r, tables_r, q_r, k_r, v_r, given.get("alibi"), given.get("shift"),
+             *rest[len(present):])
+
+    operands = (lens, tables, q_padded, k_cache, v_cache, *(optional[name] for name in present))
     out_type = (jax.ShapeDtypeStruct((batch, kvh, splits, group, head_dim), jnp.float32),
                 jax.ShapeDtypeStruct((batch, kvh, splits, MMA_ROWS), jnp.float32),
                 jax.ShapeDtypeStruct((batch, kvh, splits, MMA_ROWS), jnp.float32))
