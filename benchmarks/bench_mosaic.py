@@ -30,15 +30,19 @@ import jax
 import numpy as np
 
 from benchmarks.bench import Settings, _error, compare, measure, measure_copy_bandwidth, smoke_settings
-from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
+from benchmarks.shapes import DecodeBenchShape, make_decode_inputs, rotation_copies, shape_by_name
 from pallas_paged._platform import has_gpu, sm_count
 from pallas_paged.decode_attention import configs
-from pallas_paged.decode_attention.api import decode, decode_shape
+from pallas_paged.decode_attention.api import decode
 from pallas_paged.decode_attention.configs import MosaicDecodeConfig
 from pallas_paged.decode_attention.mosaic_gpu import MAX_SMEM_BYTES, smem_bytes
 
 SHAPES = ("b1_ctx32768", "b32_ctx4096", "b128_ctx1024", "mha_b32_ctx4096", "fp8_b32_ctx4096")
-SMOKE_SHAPES = ("small_b2_ctx64",)  # head_dim 32: mosaic reports its ValueError
+# The smoke run's shapes: tiny, with a head_dim the Mosaic kernel takes (the shared SMALL_SHAPES
+# have head_dim 32).
+SMOKE_SHAPES = (DecodeBenchShape("smoke_d64_b2_ctx128", 2, 8, 2, 64, 16, 128),
+                DecodeBenchShape("smoke_fp8_d64_b2_ctx128", 2, 8, 2, 64, 16, 128,
+                                 dtype="float8_e4m3fn"))
 L2_BYTES = 60e6
 
 
@@ -63,8 +67,8 @@ def candidates(shape, heuristic: MosaicDecodeConfig) -> list[MosaicDecodeConfig]
     return out
 
 
-def bench_shape(name: str, s: Settings, copy_tbps: float, tune: bool) -> list[dict]:
-    shape = shape_by_name(name)
+def bench_shape(shape: DecodeBenchShape, s: Settings, copy_tbps: float, tune: bool) -> list[dict]:
+    name = shape.name
     copies = 1 if s.interpret else rotation_copies(shape, min_bytes=4 * L2_BYTES, max_copies=4)
     inputs = make_decode_inputs(shape, s.seed, copies=copies)
     tokens = inputs.tokens_read()
@@ -76,13 +80,14 @@ def bench_shape(name: str, s: Settings, copy_tbps: float, tune: bool) -> list[di
         ref = _call("xla", inputs, None, interpret)(*inputs.args(0))
     except Exception as e:  # noqa: BLE001
         return [{"shape": name, "impl": "xla", "error": _error(e)}]
-    dshape = decode_shape(inputs.q[0], inputs.k_cache, inputs.block_tables[0])
-    variants = [("mosaic", configs.lookup_mosaic(dshape, jax.devices()[0].device_kind, sm_count())),
+    variants = [("mosaic", configs.lookup_mosaic(pp_shape(shape), jax.devices()[0].device_kind,
+                                                 sm_count())),
                 ("pallas", None)]
     if tune:
         variants += [("mosaic", c) for c in candidates(shape, variants[0][1])]
     for impl, config in variants:
-        row = {"shape": name, "impl": impl, "config": str(config) if config else "default"}
+        row = {"shape": name, "impl": impl, "config": str(config) if config else "default",
+               "class": configs.shape_class(pp_shape(shape))}
         try:
             fn = _call(impl, inputs, config, interpret)
             row.update(compare(fn(*inputs.args(0)), ref))
@@ -100,6 +105,30 @@ def bench_shape(name: str, s: Settings, copy_tbps: float, tune: bool) -> list[di
         rows.append(row)
         print(_format_row(row), flush=True)
     return rows
+
+
+def tuned_snippet(rows: list[dict]) -> str:
+    """``shape class: config`` lines for `configs.MOSAIC_TUNED`, one per shape whose fastest
+    correct Mosaic config is not the default one."""
+    lines = []
+    for name in dict.fromkeys(row["shape"] for row in rows):
+        timed = [r for r in rows if r["shape"] == name and r["impl"] == "mosaic" and "us" in r]
+        if not timed:
+            continue
+        default, best = timed[0], min(timed, key=lambda r: r["us"])
+        if best is default:
+            continue
+        lines.append(f"    # {name}: {best['us']:.1f} us vs {default['us']:.1f} us heuristic\n"
+                     f"    {best['class']!r}: {best['config']},")
+    return "\n".join(lines) or "    (none)"
+
+
+def pp_shape(shape) -> configs.DecodeShape:
+    """The `DecodeShape` a benchmark shape's calls have (what the table is keyed by)."""
+    return configs.DecodeShape(batch=shape.batch, num_kv_heads=shape.num_kv_heads,
+                               group=shape.num_heads // shape.num_kv_heads,
+                               head_dim=shape.head_dim, block_size=shape.block_size,
+                               capacity=shape.capacity, cache_dtype=shape.dtype)
 
 
 def _format_row(row: dict) -> str:
@@ -121,13 +150,17 @@ def main(argv=None) -> int:
     s = Settings(interpret=not has_gpu())
     if args.smoke:
         s = dataclasses.replace(smoke_settings(s), interpret=True)
-    names = args.shapes.split(",") if args.shapes else (SMOKE_SHAPES if args.smoke else SHAPES)
+    if args.shapes:
+        shapes = [shape_by_name(name) for name in args.shapes.split(",")]
+    else:
+        shapes = list(SMOKE_SHAPES) if args.smoke else [shape_by_name(name) for name in SHAPES]
+    names = [shape.name for shape in shapes]
     copy = measure_copy_bandwidth(s.copy_bytes, s)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; copy bandwidth"
           f" {copy['tbps']:.2f} TB/s (read + written)", flush=True)
     rows = []
-    for name in names:
-        rows += bench_shape(name, s, copy["tbps"], args.configs)
+    for shape in shapes:
+        rows += bench_shape(shape, s, copy["tbps"], args.configs)
     print("\nsummary (median time; fraction of copy bandwidth; mosaic speed-up over pallas)")
     for name in names:
         best = {}
@@ -140,6 +173,9 @@ def main(argv=None) -> int:
         ratio = (f"  x{best['pallas']['us'] / best['mosaic']['us']:.2f}"
                  if {"mosaic", "pallas"} <= best.keys() else "")
         print(f"{name:<18} " + "   ".join(cells or ["no timing"]) + ratio)
+    if args.configs:
+        print("\nMOSAIC_TUNED entries (configs.py), where a candidate beat the heuristic:")
+        print(tuned_snippet(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy": copy, "rows": rows}, f, indent=1, default=str)
