@@ -11,6 +11,7 @@ tested with a patched version number).
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -411,3 +412,18 @@ def test_compiled_kernel_every_option_with_splits(rng):
     ref = pp.decode(*paged.jax(), impl="xla", **jax_options)
     np.testing.assert_allclose(to_numpy(out).astype(np.float32),
                                to_numpy(ref).astype(np.float32), atol=2e-2, rtol=0)
+
+
+def test_bench_mosaic_smoke(tmp_path, monkeypatch):
+    """`benchmarks.bench_mosaic --smoke`: both kernels checked against impl="xla" and timed on a
+    tiny shape (interpret mode on a CPU: the numbers mean nothing, the plumbing must work)."""
+    from benchmarks import bench_mosaic
+    monkeypatch.setattr(bench_mosaic, "SMOKE_SHAPES", bench_mosaic.SMOKE_SHAPES[:1])
+    path = tmp_path / "rows.json"
+    assert bench_mosaic.main(["--smoke", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert {(r["shape"], r["impl"]) for r in rows} == {
+        (s.name, impl) for s in bench_mosaic.SMOKE_SHAPES for impl in ("mosaic", "pallas")}
+    for row in rows:
+        assert row["correct"], row
+        assert row["us"] > 0 and row["of_copy"] > 0, row
