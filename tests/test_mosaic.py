@@ -139,6 +139,21 @@ def test_fp8_cache(rng, q_dtype):
     assert_matches_oracle(paged, q_dtype, THREE_SPLITS, k_scale=0.5, v_scale=2.0)
 
 
+def test_fp8_scales_may_be_traced_operands(rng):
+    """The kernel takes ``k_scale`` / ``v_scale`` as f32[] operands (one program for every scale),
+    with the same result as python floats."""
+    paged = make_paged(rng, lens=[40, 3], num_heads=4, num_kv_heads=2, head_dim=64,
+                       block_size=16, dtype="float8_e4m3fn")
+    options = dict(scale=0.125, config=ONE_SPLIT, interpret=True, logits_soft_cap=None,
+                   alibi_slopes=None, sliding_window=None, sinks=None)
+    run = jax.jit(lambda k_scale, v_scale: mosaic_gpu.decode_mosaic(
+        *paged.jax(), k_scale=k_scale, v_scale=v_scale, **options))
+    traced = run(jnp.float32(0.5), jnp.float32(2.0))
+    floats = mosaic_gpu.decode_mosaic(*paged.jax(), k_scale=0.5, v_scale=2.0, **options)
+    for got, expected in zip(traced, floats):
+        np.testing.assert_array_equal(to_numpy(got), to_numpy(expected))
+
+
 def test_fp8_cache_bf16_query_beyond_fp16_range(rng):
     """The fp16 wgmmas of an fp8 cache take a bf16 query of magnitude 2**17 (past fp16's 65504):
     it is divided by a power of two and the scores multiplied back, so nothing overflows."""

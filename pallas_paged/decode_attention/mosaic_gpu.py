@@ -160,7 +160,7 @@ def _paged_decode_kernel(
     k_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]    (the cache)
     v_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]
     alibi_ref,    # f32[num_kv_heads, 64] or None
-    shift_ref,    # f32[batch, num_kv_heads] or None: the power of two q was divided by
+    scores_ref,   # f32[batch, num_kv_heads] or None (fp8): scale * k_scale * q's power of two
     o_ref,        # f32[batch, num_kv_heads, num_splits, group, head_dim], unnormalized
     m_ref,        # f32[batch, num_kv_heads, num_splits, 64], running max
     l_ref,        # f32[batch, num_kv_heads, num_splits, 64], sum of exponentials
@@ -173,7 +173,6 @@ def _paged_decode_kernel(
     num_stages: int,
     soft_cap: float | None,
     window: int | None,
-    v_scale: float | None,
     compute_dtype,
 ):
     num_blocks, block_size, _, head_dim = k_ref.shape
@@ -257,7 +256,7 @@ def _paged_decode_kernel(
         if alibi_smem is not None:
             # f32[64], one slope per row of the scores (the layout of their row reductions).
             slopes = plgpu.load(alibi_smem, layout=plgpu.Layout.WGMMA.reduce(1))
-        score_scale = scale if shift_ref is None else scale * shift_ref[b, h]
+        score_scale = scale if scores_ref is None else scores_ref[b, h]
 
         def tile_body(step, carry):
             acc, m_prev, l_prev = carry  # f32[64, D], f32[64], f32[64]
@@ -333,8 +332,6 @@ def _paged_decode_kernel(
                  jnp.full((MMA_ROWS,), -jnp.inf, jnp.float32),
                  jnp.zeros((MMA_ROWS,), jnp.float32))
         acc, m, l = jax.lax.fori_loop(0, num_tiles, tile_body, carry)
-        if v_scale is not None:
-            acc = acc * v_scale
         o_smem[...] = acc
         ml_smem[0] = m
         ml_smem[1] = l
@@ -390,7 +387,8 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
     Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float).
 
     Returns:
-      ``(out [batch, num_heads, head_dim] in q.dtype, lse f32[batch, num_heads])``.
+      ``(out [batch, num_heads, head_dim] in q.dtype, lse f32[batch, num_heads])``. ``k_scale`` /
+      ``v_scale`` may be python floats or ``f32[]`` arrays: both enter the program as operands.
 
     Raises:
       ValueError: on jax < 0.11.2, on GPUs before sm_90 (compiled), and for shapes or dtypes the
@@ -407,32 +405,36 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
     lens = context_lens.astype(jnp.int32)
     tables = block_tables.astype(jnp.int32)
     q_grouped = q.reshape(batch, kvh, group, head_dim)
-    shift = None
-    if compute_dtype != q.dtype:
-        # A bf16 query for the fp16 wgmmas of an fp8 cache: divide each group by the power of two
-        # that brings its largest |q| under 2**15 (exact), and multiply the scores back.
-        q32 = q_grouped.astype(jnp.float32)
-        q_max = jnp.max(jnp.abs(q32), axis=(2, 3))  # f32[batch, kvh]
-        shift = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(q_max / FP16_SAFE_MAX)), 0.0))
-        q_grouped = q32 / shift[..., None, None]
+    score_multipliers = None
+    if k_scale is not None:
+        # fp8: the score multiplier is an operand, f32[batch, kvh] (k_scale may be a python float
+        # or a traced f32[]), so one program serves every scale.
+        shift = jnp.ones((batch, kvh), jnp.float32)
+        if compute_dtype != q.dtype:
+            # A bf16 query for the fp16 wgmmas: divide each group by the power of two that brings
+            # its largest |q| under 2**15 (exact), and multiply the scores back.
+            q32 = q_grouped.astype(jnp.float32)
+            q_max = jnp.max(jnp.abs(q32), axis=(2, 3))  # f32[batch, kvh]
+            shift = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(q_max / FP16_SAFE_MAX)), 0.0))
+            q_grouped = q32 / shift[..., None, None]
+        k_mult = jnp.asarray(k_scale, jnp.float32).reshape(())
+        score_multipliers = shift * (jnp.float32(scale) * k_mult)
     pad_rows = ((0, 0), (0, 0), (0, MMA_ROWS - group))
     q_padded = jnp.pad(q_grouped.astype(compute_dtype), pad_rows + ((0, 0),))
     alibi = None
     if alibi_slopes is not None:
         alibi = jnp.pad(alibi_slopes.astype(jnp.float32).reshape(kvh, group),
                         ((0, 0), (0, MMA_ROWS - group)))
-    score_scale = scale if k_scale is None else scale * k_scale
     body = functools.partial(
-        _paged_decode_kernel, plgpu=plgpu, scale=score_scale, group=group,
+        _paged_decode_kernel, plgpu=plgpu, scale=scale, group=group,
         block_k=config.block_k, num_splits=splits, num_stages=config.num_stages,
-        soft_cap=logits_soft_cap, window=sliding_window, v_scale=v_scale,
-        compute_dtype=compute_dtype)
-    optional = {"alibi": alibi, "shift": shift}  # inputs that only some calls have
+        soft_cap=logits_soft_cap, window=sliding_window, compute_dtype=compute_dtype)
+    optional = {"alibi": alibi, "scores": score_multipliers}  # inputs only some calls have
     present = [name for name, x in optional.items() if x is not None]
 
     def kernel_body(lens_r, tables_r, q_r, k_r, v_r, *rest):
         given = dict(zip(present, rest))
-        body(lens_r, tables_r, q_r, k_r, v_r, given.get("alibi"), given.get("shift"),
+        body(lens_r, tables_r, q_r, k_r, v_r, given.get("alibi"), given.get("scores"),
              *rest[len(present):])
 
     operands = (lens, tables, q_padded, k_cache, v_cache, *(optional[name] for name in present))
@@ -452,6 +454,8 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
         compiler_params=plgpu.CompilerParams(approx_math=False),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*operands)
+    if v_scale is not None:  # P V is linear in V: dequantize the partial sums
+        o = o * jnp.asarray(v_scale, jnp.float32).reshape(())
     n = jnp.clip(lens, 0, block_tables.shape[1] * k_cache.shape[1])
     sinks_per_head = None if sinks is None else sinks.astype(jnp.float32).reshape(kvh, group)
     out, lse = _merge_splits(o, m[..., :group], l[..., :group], n, sinks_per_head)
