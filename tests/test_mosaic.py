@@ -278,7 +278,8 @@ def _abstract(batch=2, num_heads=8, kvh=2, head_dim=64, block_size=16, dtype=jnp
     (dict(block_size=12), r"block_size a multiple of 8.*block_size=12"),
     (dict(block_size=48), r"block_size a multiple of 8.*block_size=48"),
     (dict(num_heads=128, kvh=1), r"up to 64 query heads per kv head"),
-    (dict(cache_dtype=jnp.float16), r"caches of q's dtype or float8_e4m3fn"),
+    # (the shared static validation may refuse the mix first, in its own words)
+    (dict(cache_dtype=jnp.float16), r"caches of q's dtype or float8_e4m3fn|must equal k_cache"),
 ])
 def test_unsupported_inputs_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
