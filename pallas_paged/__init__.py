@@ -21,7 +21,8 @@ from pallas_paged._validation import (validate_attention_inputs, validate_decode
 from pallas_paged.cache_write.api import write_kv
 from pallas_paged.cache_write.fp8 import quantize_fp8
 from pallas_paged.decode_attention.api import decode
-from pallas_paged.decode_attention.configs import DecodeConfig, DecodeShape, get_heuristic_config
+from pallas_paged.decode_attention.configs import (DecodeConfig, DecodeShape, MosaicDecodeConfig,
+                                                  get_heuristic_config)
 from pallas_paged.ragged_attention.api import paged_attention
 from pallas_paged.ragged_attention.configs import AttentionConfig, AttentionShape
 from pallas_paged.sharding import (attention_shardings, decode_shardings, shard_decode,
@@ -35,6 +36,7 @@ __all__ = [
     "validate_decode_inputs",
     "validate_attention_inputs",
     "DecodeConfig",
+    "MosaicDecodeConfig",
     "AttentionConfig",
     "AttentionShape",
     "DecodeShape",

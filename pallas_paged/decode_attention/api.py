@@ -18,11 +18,12 @@ from pallas_paged._platform import (device_kind, resolve_interpret, sm_count,
                                     without_triton_deprecation)
 from pallas_paged.cache_write.fp8 import scale_operand
 from pallas_paged.decode_attention import configs
-from pallas_paged.decode_attention.configs import DecodeConfig, DecodeShape
+from pallas_paged.decode_attention.configs import DecodeConfig, DecodeShape, MosaicDecodeConfig
+from pallas_paged.decode_attention.mosaic_gpu import decode_mosaic
 from pallas_paged.decode_attention.pallas_triton import decode_pallas
 from pallas_paged.decode_attention.xla import decode_xla
 
-DECODE_IMPLS = ("pallas", "xla")
+DECODE_IMPLS = ("pallas", "xla", "mosaic")
 
 
 def decode_shape(q, k_cache, block_tables) -> DecodeShape:
@@ -87,11 +88,13 @@ def decode(
         ``f32[]`` arrays (shape ``(1,)`` accepted), operands of the program (one compiled program
         for every value).
       return_lse: also return ``lse f32[batch, num_heads]`` (``-inf`` for ``n == 0``).
-      impl: ``"pallas"`` (the kernel) or ``"xla"`` (plain jnp, the readable reference). The kernel
-        cannot address fp8 caches of 2**31 to 2**32 elements (ValueError).
+      impl: ``"pallas"`` (the Triton kernel; it cannot address fp8 caches of 2**31 to 2**32
+        elements: ValueError), ``"xla"`` (plain jnp, the readable reference) or ``"mosaic"`` (the
+        Mosaic GPU kernel, ``mosaic_gpu.py``: jax >= 0.11.2, sm_90+, bf16/fp16 queries, head_dim
+        64 or 128).
       interpret: Pallas interpret mode; None means exactly when there is no GPU backend.
-      config: kernel knobs (`DecodeConfig`); None takes the tuned table's entry for this shape
-        class, or the heuristic.
+      config: kernel knobs (`DecodeConfig`; `MosaicDecodeConfig` for ``"mosaic"``); None takes the
+        tuned table's entry for this shape class, or the heuristic.
 
     Returns:
       ``out [batch, num_heads, head_dim]`` in ``q.dtype``, or ``(out, lse)`` with ``return_lse``.
@@ -106,14 +109,16 @@ def decode(
                    sliding_window=sliding_window, sinks=sinks)
     _validation.static_validate_decode(q, k_cache, v_cache, block_tables, context_lens,
                                        k_scale=k_scale, v_scale=v_scale, **options)
-    _validation.static_validate_call(k_cache, impl=impl, impls=DECODE_IMPLS, return_lse=return_lse,
-                                     interpret=interpret, config=config, config_type=DecodeConfig)
+    _validation.static_validate_call(
+        k_cache, impl=impl, impls=DECODE_IMPLS, return_lse=return_lse, interpret=interpret,
+        config=config, config_type=MosaicDecodeConfig if impl == "mosaic" else DecodeConfig)
     num_blocks, block_size = k_cache.shape[:2]
     capacity = block_tables.shape[1] * block_size
     if sliding_window is not None and sliding_window >= capacity:
         sliding_window = None  # every position p in [0, n) has p > n - 1 - W: no window
-    if impl == "pallas" and config is None and q.shape[0] > 0 and capacity > 0:
-        config = configs.lookup(decode_shape(q, k_cache, block_tables), device_kind(), sm_count())
+    if impl in ("pallas", "mosaic") and config is None and q.shape[0] > 0 and capacity > 0:
+        lookup = configs.lookup_mosaic if impl == "mosaic" else configs.lookup
+        config = lookup(decode_shape(q, k_cache, block_tables), device_kind(), sm_count())
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     out, lse = _decode_jit(
         q, k_cache, v_cache, _validation.host_clamp_index(block_tables, 0, num_blocks - 1),
@@ -147,5 +152,8 @@ def _decode_jit(q, k_cache, v_cache, block_tables, context_lens, alibi_slopes, s
                 jnp.full((batch, num_heads), -jnp.inf, jnp.float32))
     if impl == "xla":
         return decode_xla(q, k_cache, v_cache, tables, lens, **options)
+    if impl == "mosaic":
+        return decode_mosaic(q, k_cache, v_cache, tables, lens, config=config,
+                             interpret=interpret, **options)
     return decode_pallas(q, k_cache, v_cache, tables, lens, config=config, interpret=interpret,
                          **options)

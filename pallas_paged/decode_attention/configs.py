@@ -114,3 +114,66 @@ def lookup(shape: DecodeShape, device_kind: str, sm_count: int) -> DecodeConfig:
     """The tuned config of ``shape``'s class on a device of kind ``device_kind``, else the heuristic one."""
     config = TUNED.get(device_kind, {}).get(shape_class(shape))
     return config if config is not None else get_heuristic_config(shape, sm_count)
+
+
+# --- the Mosaic GPU kernel (mosaic_gpu.py) ------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class MosaicDecodeConfig:
+    """Static knobs of the Mosaic GPU paged-decode kernel (hashable: a static jit argument).
+
+    Attributes:
+      block_k: tokens per tile, 64 or 128 (the N of the ``Q K^T`` wgmma, the K of ``P V``). A tile
+        is ``block_k / block_size`` whole pages, one TMA copy each, or one slice of a page larger
+        than the tile.
+      num_splits: KV splits per (sequence, kv head) (flash-decoding); the splits are merged after
+        the kernel.
+      num_stages: shared-memory stages of the TMA ring (tiles in flight + the one computed), >= 2.
+    """
+
+    block_k: int = 64
+    num_splits: int = 1
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_k", "num_splits", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MosaicDecodeConfig.{name}={value!r} must be a positive int")
+        if self.block_k not in (64, 128):
+            raise ValueError(f"MosaicDecodeConfig.block_k={self.block_k} must be 64 or 128")
+        if self.num_stages < 2:
+            raise ValueError(f"MosaicDecodeConfig.num_stages={self.num_stages} must be >= 2")
+
+
+def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDecodeConfig:
+    """A reasonable Mosaic config for any shape, from the H200 measurements of 2026-12-01.
+
+    - ``block_k``: 128-token tiles for 16-bit caches (fewer, larger wgmmas and barrier rounds:
+      b32_ctx4096 147 us vs 160 us with 64); 64 for fp8 caches, whose tiles are converted in
+      shared memory (128 measured 10% slower there).
+    - ``num_stages``: as many as hold about 128 KiB of K/V, 2 to 4 (more did not measure faster:
+      a CTA with two warpgroups and ~190 KiB of shared memory is alone on its multiprocessor).
+    - ``num_splits``: about two CTAs per multiprocessor, rounded to a power of two, without splits
+      shorter than 4 tiles (B=1/ctx 32768 with 8 kv heads: 32 splits, 55 us vs 62 us with 64;
+      B=32: 1 split).
+    """
+    itemsize = jnp.dtype(shape.cache_dtype).itemsize
+    block_k = 128 if itemsize == 2 else 64
+    stage_bytes = 2 * block_k * shape.head_dim * itemsize
+    num_stages = max(2, min(4, (128 * 1024) // stage_bytes))
+    programs = max(shape.batch * shape.num_kv_heads, 1)
+    wanted = (2 * sm_count) / programs
+    splits = 1 << max(0, round(math.log2(wanted))) if wanted > 1 else 1
+    splits = max(1, min(splits, max(1, shape.capacity // (4 * block_k)), 256))
+    return MosaicDecodeConfig(block_k=block_k, num_splits=splits, num_stages=num_stages)
+
+
+# device kind -> shape class -> Mosaic config, measured like TUNED (empty until the H200 run).
+MOSAIC_TUNED: dict[str, dict[tuple, MosaicDecodeConfig]] = {}
+
+
+def lookup_mosaic(shape: DecodeShape, device_kind: str, sm_count: int) -> MosaicDecodeConfig:
+    """The tuned Mosaic config of ``shape``'s class on ``device_kind``, else the heuristic one."""
+    config = MOSAIC_TUNED.get(device_kind, {}).get(shape_class(shape))
+    return config if config is not None else get_mosaic_heuristic_config(shape, sm_count)

@@ -1,0 +1,186 @@
+"""The Mosaic GPU decode kernel beside the Triton one, as fractions of the same run's copy bandwidth.
+
+Run ``python -m benchmarks.bench_mosaic [--shapes a,b,...] [--configs] [--json PATH] [--smoke]``.
+For each shape (default: `SHAPES`; bf16 unless named fp8, H=32, KVH=8, D=128, bs=16, random block
+permutations from `benchmarks.shapes`), in one process:
+
+1. ``impl="xla"`` once, the reference; ``impl="mosaic"`` and ``impl="pallas"`` (each with the config
+   ``decode`` picks itself) are checked against it first (`benchmarks.bench.compare`); a wrong or
+   failing variant is reported as such and never timed.
+2. Each correct variant is timed with `benchmarks.bench.measure` (median of windows of
+   back-to-back calls). Problems that fit a few times in L2 rotate among copies of their inputs.
+3. The figure of merit is bytes that must be read (K/V rows + q + output) over the time, as a
+   fraction of the device-to-device copy bandwidth measured at the start of the same run
+   (`benchmarks.bench.measure_copy_bandwidth`).
+
+``--configs`` also times a few `MosaicDecodeConfig` candidates per shape (splits and stages around
+the heuristic), to fill `configs.MOSAIC_TUNED`. Every variant is isolated: an error is printed in
+its row and the run goes on. ``--smoke`` runs tiny shapes in interpret mode (plumbing only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+
+import jax
+import numpy as np
+
+from benchmarks.bench import Settings, _error, compare, measure, measure_copy_bandwidth, smoke_settings
+from benchmarks.shapes import DecodeBenchShape, make_decode_inputs, rotation_copies, shape_by_name
+from pallas_paged._platform import has_gpu, sm_count
+from pallas_paged.decode_attention import configs
+from pallas_paged.decode_attention.api import decode
+from pallas_paged.decode_attention.configs import MosaicDecodeConfig
+from pallas_paged.decode_attention.mosaic_gpu import MAX_SMEM_BYTES, smem_bytes
+
+SHAPES = ("b1_ctx32768", "b32_ctx4096", "b128_ctx1024", "mha_b32_ctx4096", "fp8_b32_ctx4096")
+# The smoke run's shapes: tiny, with a head_dim the Mosaic kernel takes (the shared SMALL_SHAPES
+# have head_dim 32).
+SMOKE_SHAPES = (DecodeBenchShape("smoke_d64_b2_ctx128", 2, 8, 2, 64, 16, 128),
+                DecodeBenchShape("smoke_fp8_d64_b2_ctx128", 2, 8, 2, 64, 16, 128,
+                                 dtype="float8_e4m3fn"))
+L2_BYTES = 60e6
+
+
+def _call(impl, inputs, config, interpret):
+    shape = inputs.shape
+    fn = jax.jit(lambda q, k, v, t, n: decode(
+        q, k, v, t, n, impl=impl, config=config, k_scale=inputs.k_scale, v_scale=inputs.v_scale,
+        sliding_window=shape.sliding_window, interpret=interpret))
+    return fn
+
+
+def candidates(shape, heuristic: MosaicDecodeConfig) -> list[MosaicDecodeConfig]:
+    """Configs around the heuristic that fit in shared memory: splits x0.5, x1, x2; stages 2, 4,
+    6; block_k 64, 128."""
+    out = []
+    for factor, stages, block_k in itertools.product((0.5, 1, 2), (2, 4, 6), (64, 128)):
+        splits = max(1, int(heuristic.num_splits * factor))
+        config = MosaicDecodeConfig(block_k=block_k, num_splits=splits, num_stages=stages)
+        fits = smem_bytes(shape.head_dim, shape.dtype, shape.query_dtype, config) <= MAX_SMEM_BYTES
+        if fits and config not in out and config != heuristic:
+            out.append(config)
+    return out
+
+
+def bench_shape(shape: DecodeBenchShape, s: Settings, copy_tbps: float, tune: bool) -> list[dict]:
+    name = shape.name
+    copies = 1 if s.interpret else rotation_copies(shape, min_bytes=4 * L2_BYTES, max_copies=4)
+    inputs = make_decode_inputs(shape, s.seed, copies=copies)
+    tokens = inputs.tokens_read()
+    q_bytes = int(np.prod(inputs.q.shape[1:])) * inputs.q.dtype.itemsize
+    nbytes = tokens * shape.kv_bytes_per_token + 2 * q_bytes  # K/V rows, q and the output
+    interpret = True if s.interpret else None
+    rows = []
+    try:
+        ref = _call("xla", inputs, None, interpret)(*inputs.args(0))
+    except Exception as e:  # noqa: BLE001
+        return [{"shape": name, "impl": "xla", "error": _error(e)}]
+    variants = [("mosaic", configs.lookup_mosaic(pp_shape(shape), jax.devices()[0].device_kind,
+                                                 sm_count())),
+                ("pallas", None)]
+    if tune:
+        variants += [("mosaic", c) for c in candidates(shape, variants[0][1])]
+    for impl, config in variants:
+        row = {"shape": name, "impl": impl, "config": str(config) if config else "default",
+               "class": configs.shape_class(pp_shape(shape))}
+        try:
+            fn = _call(impl, inputs, config, interpret)
+            row.update(compare(fn(*inputs.args(0)), ref))
+            if not row["correct"]:
+                rows.append(row)
+                continue
+            counter = itertools.count()
+            args = [inputs.args(i) for i in range(copies)]  # sliced once, outside the clock
+            timing = measure(lambda: fn(*args[next(counter) % copies]), 1, s)
+            row["us"] = timing.median_us
+            row["tbps"] = nbytes / (timing.median_us * 1e-6) / 1e12
+            row["of_copy"] = row["tbps"] / copy_tbps
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            row["error"] = _error(e)
+        rows.append(row)
+        print(_format_row(row), flush=True)
+    return rows
+
+
+def tuned_snippet(rows: list[dict]) -> str:
+    """``shape class: config`` lines for `configs.MOSAIC_TUNED`, one per shape whose fastest
+    correct Mosaic config is not the default one."""
+    lines = []
+    for name in dict.fromkeys(row["shape"] for row in rows):
+        timed = [r for r in rows if r["shape"] == name and r["impl"] == "mosaic" and "us" in r]
+        if not timed:
+            continue
+        default, best = timed[0], min(timed, key=lambda r: r["us"])
+        if best is default:
+            continue
+        lines.append(f"    # {name}: {best['us']:.1f} us vs {default['us']:.1f} us heuristic\n"
+                     f"    {best['class']!r}: {best['config']},")
+    return "\n".join(lines) or "    (none)"
+
+
+def pp_shape(shape) -> configs.DecodeShape:
+    """The `DecodeShape` a benchmark shape's calls have (what the table is keyed by)."""
+    return configs.DecodeShape(batch=shape.batch, num_kv_heads=shape.num_kv_heads,
+                               group=shape.num_heads // shape.num_kv_heads,
+                               head_dim=shape.head_dim, block_size=shape.block_size,
+                               capacity=shape.capacity, cache_dtype=shape.dtype)
+
+
+def _format_row(row: dict) -> str:
+    if "error" in row:
+        return f"{row['shape']:<18} {row['impl']:<7} {row.get('config', ''):<60} ERROR {row['error'][:300]}"
+    if not row.get("correct", False):
+        return f"{row['shape']:<18} {row['impl']:<7} {row['config']:<60} WRONG rel_err={row['rel_err']:.3g}"
+    return (f"{row['shape']:<18} {row['impl']:<7} {row['config']:<60} {row['us']:9.1f} us"
+            f" {row['tbps']:6.2f} TB/s {row['of_copy']:5.2f} of copy")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=None, help="comma-separated names (benchmarks.shapes)")
+    parser.add_argument("--configs", action="store_true", help="also time Mosaic config candidates")
+    parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode")
+    args = parser.parse_args(argv)
+    s = Settings(interpret=not has_gpu())
+    if args.smoke:
+        s = dataclasses.replace(smoke_settings(s), interpret=True)
+    if args.shapes:
+        shapes = [shape_by_name(name) for name in args.shapes.split(",")]
+    else:
+        shapes = list(SMOKE_SHAPES) if args.smoke else [shape_by_name(name) for name in SHAPES]
+    names = [shape.name for shape in shapes]
+    copy = measure_copy_bandwidth(s.copy_bytes, s)
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; copy bandwidth"
+          f" {copy['tbps']:.2f} TB/s (read + written)", flush=True)
+    rows = []
+    for shape in shapes:
+        rows += bench_shape(shape, s, copy["tbps"], args.configs)
+    print("\nsummary (median time; fraction of copy bandwidth; mosaic speed-up over pallas)")
+    for name in names:
+        best = {}
+        for row in rows:
+            if row["shape"] == name and "us" in row:
+                if row["impl"] not in best or row["us"] < best[row["impl"]]["us"]:
+                    best[row["impl"]] = row
+        cells = [f"{impl} {best[impl]['us']:.1f} us ({best[impl]['of_copy']:.2f})"
+                 for impl in ("mosaic", "pallas") if impl in best]
+        ratio = (f"  x{best['pallas']['us'] / best['mosaic']['us']:.2f}"
+                 if {"mosaic", "pallas"} <= best.keys() else "")
+        print(f"{name:<18} " + "   ".join(cells or ["no timing"]) + ratio)
+    if args.configs:
+        print("\nMOSAIC_TUNED entries (configs.py), where a candidate beat the heuristic:")
+        print(tuned_snippet(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy": copy, "rows": rows}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,463 @@
+"""Paged decode attention, the Mosaic GPU kernel: ``decode(..., impl="mosaic")``.
+
+Pallas Triton is deprecated from jax 0.11; this is the same operation written for Mosaic GPU
+(``plgpu.kernel``, Hopper and later), where the TMA engine streams whole pages into shared memory.
+Read top to bottom (the public function is `pallas_paged.decode_attention.api.decode`):
+
+1. `_paged_decode_kernel` works on refs only. One CTA owns one (sequence, kv head, KV split) and
+   has two warpgroups. A tile is ``block_k`` consecutive tokens of the sequence: ``block_k /
+   block_size`` whole pages (one TMA copy each, addressed by the block id read from the table in
+   GMEM) or, for pages larger than a tile, one slice of one page.
+   - The producer warpgroup walks the split's tiles, reads each tile's table entries, waits until
+     its stage of the ring of ``num_stages`` shared-memory stages is free, and issues the TMA
+     copies of K and V, which complete the stage's mbarriers.
+   - The consumer warpgroup computes the ``group`` query heads of the kv head together, as the
+     rows of the wgmma (padded to its minimum M of 64 with zero queries: decode is bound by reading
+     the cache, not by the tensor cores): ``S = Q K^T`` and ``P V`` on the tensor cores with fp32
+     accumulators, the online softmax in fp32 registers; then it frees the stage.
+   Each CTA writes its unnormalized ``(o, m, l)``; `_merge_splits` (shared with the Triton kernel)
+   combines the splits, adds the sink and normalizes.
+2. `decode_mosaic` checks what the kernel supports, builds the padded (and, for fp8 caches,
+   range-shifted) query, calls the kernel over the grid ``(batch, num_kv_heads, num_splits)`` and
+   merges.
+3. `decode` (in ``api.py``) validates, resolves the scale and the config, and dispatches.
+
+Safety, by construction (values cannot raise under jit):
+
+- Only the tiles of the split's range are visited, and a tile reads the table only for pages
+  ``first // block_size .. (n - 1) // block_size`` (``first`` the window start): a tile's page
+  slots past the sequence or before the window re-read an in-range page of the same tile, so the
+  table tail is never read, and pages wholly outside the window are not copied. Every block id is
+  clamped into ``[0, num_blocks)`` before it becomes an address; lengths into
+  ``[0, max_blocks * block_size]``.
+- Scores of positions outside ``[first, n)`` are ``-inf`` (a select: NaN keys vanish too), and on
+  tiles that hold such positions the V rows are replaced by zeros in shared memory before the
+  ``P V`` product, so ``0 * NaN`` cannot reach the output.
+- A row with no valid position gives zeros and ``lse = -inf`` (the merge's rule).
+
+Supported (anything else is a ValueError naming the argument):
+
+- bf16 / fp16 queries (fp32 would run the tensor cores in TF32, which SPEC forbids: use
+  ``impl="pallas"`` or ``"xla"``);
+- caches of the query's dtype, or float8_e4m3fn: tiles converted to fp16 in shared memory (sm_90's
+  one hardware conversion from e4m3; exact), a bf16 query divided by a power of two into fp16's
+  range as in the Triton kernel, the scores multiplied back;
+- ``head_dim`` 64 or 128 (32: Mosaic's layout inference finds no layout for 64-byte rows; 256: the
+  fp32 output staging does not fit in shared memory beside two stages);
+- ``block_size`` a multiple of 8 that divides ``block_k`` or is a multiple of it;
+- up to 64 query heads per kv head;
+- jax >= 0.11.2 (``plgpu.kernel``'s API), GPUs of compute capability 9.0 or later, or Mosaic GPU's
+  interpret mode (``plgpu.InterpretGPUParams``) on any machine.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_paged.decode_attention.configs import MosaicDecodeConfig
+from pallas_paged.decode_attention.pallas_triton import (FP16_SAFE_MAX, _merge_splits, dot_dtype,
+                                                         tile_range)
+
+MIN_JAX = (0, 11, 2)  # plgpu.kernel with out_type / scratch_types and warpgroup semantics
+MMA_ROWS = 64  # wgmma's M: the query rows of a group, padded with zero queries
+SUPPORTED_HEAD_DIMS = (64, 128)
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+KERNEL_NAME = "pallas_paged_decode_mosaic"
+PRODUCER, CONSUMER = 0, 1  # the two warpgroups of a CTA
+MAX_SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on sm_90
+
+
+def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeConfig,
+               alibi: bool = False) -> int:
+    """Shared memory the kernel allocates for one CTA (the scratch of `_paged_decode_kernel`)."""
+    cache, compute = jnp.dtype(cache_dtype).itemsize, jnp.dtype(compute_dtype).itemsize
+    tile = config.block_k * head_dim
+    total = MMA_ROWS * head_dim * compute            # q
+    total += 2 * config.num_stages * tile * cache    # the K and V ring
+    if jnp.dtype(cache_dtype) != jnp.dtype(compute_dtype):
+        total += 2 * tile * compute                  # converted K and V tiles
+    total += MMA_ROWS * config.block_k * compute     # P
+    total += MMA_ROWS * (head_dim + 2 + alibi) * 4   # o, m, l (and the slopes)
+    return total + 8 * (1 + 3 * config.num_stages)   # barriers
+
+
+def jax_version() -> tuple[int, ...]:
+    parts = []
+    for piece in jax.__version__.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _plgpu():
+    """``jax.experimental.pallas.mosaic_gpu``, or ValueError where its API is not the one used."""
+    if jax_version() < MIN_JAX:
+        raise ValueError(
+            f"impl='mosaic' needs jax >= {'.'.join(map(str, MIN_JAX))} (plgpu.kernel), found"
+            f" jax {jax.__version__}: use impl='pallas' or impl='xla'")
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu
+
+
+def check_device(interpret: bool) -> None:
+    """ValueError unless the kernel can run here: interpret mode anywhere, compiled on sm_90+."""
+    if interpret:
+        return
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        raise ValueError(
+            f"impl='mosaic' compiled (interpret=False) needs an NVIDIA GPU, found"
+            f" {device.platform!r} ({device.device_kind}): pass interpret=True or use impl='xla'")
+    capability = getattr(device, "compute_capability", None)
+    if capability is None:
+        raise ValueError(f"impl='mosaic' needs an NVIDIA GPU of compute capability >= 9.0, found"
+                         f" {device.device_kind!r}: use impl='pallas'")
+    major = int(str(capability).split(".")[0])
+    if major < 9:
+        raise ValueError(
+            f"impl='mosaic' needs compute capability >= 9.0 (Hopper: TMA, wgmma), found"
+            f" {device.device_kind!r} with compute capability {capability}: use impl='pallas'")
+
+
+def check_supported(q, k_cache, config: MosaicDecodeConfig) -> None:
+    """ValueError naming the argument for every shape or dtype this kernel does not handle."""
+    _, num_heads, head_dim = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(
+            f"impl='mosaic' takes bf16 or fp16 queries, got {q.dtype=} (fp32 would run the"
+            " tensor cores in TF32): use impl='pallas' or impl='xla' for fp32")
+    if jnp.dtype(k_cache.dtype) not in (jnp.dtype(q.dtype), FP8):
+        raise ValueError(f"impl='mosaic' takes caches of q's dtype or float8_e4m3fn, got"
+                         f" {k_cache.dtype=} with {q.dtype=}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"impl='mosaic' supports head_dim in {SUPPORTED_HEAD_DIMS}, got"
+                         f" {q.shape=} (head_dim={head_dim}): use impl='pallas'")
+    block_k = config.block_k
+    if block_size % 8 or (block_k % block_size and block_size % block_k):
+        raise ValueError(
+            f"impl='mosaic' needs block_size a multiple of 8 that divides block_k={block_k} or is"
+            f" a multiple of it, got {k_cache.shape=} (block_size={block_size}): use"
+            " impl='pallas'")
+    need = smem_bytes(head_dim, k_cache.dtype, q.dtype, config, alibi=True)
+    if need > MAX_SMEM_BYTES:
+        raise ValueError(
+            f"config={config} needs {need} bytes of shared memory for {k_cache.shape=}, more than"
+            f" the {MAX_SMEM_BYTES} of one CTA: fewer num_stages or a smaller block_k")
+    if num_heads // kvh > MMA_ROWS:
+        raise ValueError(f"impl='mosaic' supports up to {MMA_ROWS} query heads per kv head, got"
+                         f" {q.shape=} with {k_cache.shape=}: use impl='pallas'")
+
+
+def _paged_decode_kernel(
+    lens_ref,     # i32[batch]                                          (GMEM)
+    tables_ref,   # i32[batch, max_blocks]                              (GMEM)
+    q_ref,        # [batch, num_kv_heads, 64, head_dim], zero rows past the group
+    k_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]    (the cache)
+    v_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]
+    alibi_ref,    # f32[num_kv_heads, 64] or None
+    scores_ref,   # f32[batch, num_kv_heads] or None (fp8): scale * k_scale * q's power of two
+    o_ref,        # f32[batch, num_kv_heads, num_splits, group, head_dim], unnormalized
+    m_ref,        # f32[batch, num_kv_heads, num_splits, 64], running max
+    l_ref,        # f32[batch, num_kv_heads, num_splits, 64], sum of exponentials
+    *,
+    plgpu,
+    scale: float,
+    group: int,
+    block_k: int,
+    num_splits: int,
+    num_stages: int,
+    soft_cap: float | None,
+    window: int | None,
+    compute_dtype,
+):
+    num_blocks, block_size, _, head_dim = k_ref.shape
+    max_blocks = tables_ref.shape[1]
+    b = jax.lax.axis_index("batch")
+    h = jax.lax.axis_index("kv_head")
+    split = jax.lax.axis_index("split")
+    n = jnp.clip(lens_ref[b], 0, max_blocks * block_size)
+    first, tile_lo, tile_hi = tile_range(n, split, block_k=block_k, num_splits=num_splits,
+                                         window=window)
+    num_tiles = jnp.maximum(tile_hi - tile_lo, 0)
+    # Pages the tiles may address: the table is read only inside [page_lo, page_hi].
+    page_lo, page_hi = first // block_size, jnp.maximum(n - 1, 0) // block_size
+    convert = jnp.dtype(k_ref.dtype) != jnp.dtype(compute_dtype)
+
+    def body(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem, ml_smem,
+             q_bar, k_bars, v_bars, free_bars):
+        # q_smem [64, D]; k_smem, v_smem [stages, block_k, D] in the cache dtype; kc_smem, vc_smem
+        # [block_k, D] in compute_dtype (fp8 caches only, else None); p_smem [64, block_k] in
+        # compute_dtype; alibi_smem f32[64] or None; o_smem f32[64, D]; ml_smem f32[2, 64].
+        # Barriers: q_bar; k_bars[stages], v_bars[stages] (TMA done); free_bars[stages] (the
+        # consumer is done with a stage).
+        copies = _copies_per_tile(block_size, block_k)
+
+        def block_ids(tile):
+            """The ``copies`` block ids of ``tile``'s pages (page index clamped into the pages of
+            the tile range, so the table tail is never read; ids clamped into the cache)."""
+            if block_size <= block_k:
+                pages = [tile * copies + j for j in range(copies)]
+            else:
+                pages = [tile // (block_size // block_k)]
+            return tuple(jnp.clip(tables_ref[b, jnp.clip(page, page_lo, page_hi)], 0,
+                                  num_blocks - 1) for page in pages)
+
+        def issue(tile, slot, blocks):
+            """TMA the K and V rows of ``tile`` (pages ``blocks``) into stage ``slot``."""
+            if block_size <= block_k:
+                for j, block in enumerate(blocks):
+                    rows = pl.ds(j * block_size, block_size)
+                    plgpu.copy_gmem_to_smem(k_ref.at[block, :, h], k_smem.at[slot, rows],
+                                            k_bars.at[slot])
+                    plgpu.copy_gmem_to_smem(v_ref.at[block, :, h], v_smem.at[slot, rows],
+                                            v_bars.at[slot])
+            else:
+                rows = pl.ds((tile % (block_size // block_k)) * block_k, block_k)
+                plgpu.copy_gmem_to_smem(k_ref.at[blocks[0], rows, h], k_smem.at[slot],
+                                        k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[blocks[0], rows, h], v_smem.at[slot],
+                                        v_bars.at[slot])
+
+        wg = jax.lax.axis_index("wg")
+
+        @pl.when(wg == PRODUCER)
+        def _producer():
+            # Walks the tiles at most `num_stages` ahead of the consumer. A tile's table entries
+            # are loaded before waiting for its stage to be free, so their latency hides behind
+            # the wait (only tiles of the range are visited: an empty range reads no entry).
+            @pl.loop(0, num_tiles)
+            def _produce(step):
+                slot = jax.lax.rem(step, num_stages)
+                blocks = block_ids(tile_lo + step)
+
+                @pl.when(step >= num_stages)
+                def _wait_free():
+                    plgpu.barrier_wait(free_bars.at[slot])
+
+                issue(tile_lo + step, slot, blocks)
+
+        @pl.when(wg == CONSUMER)
+        def _consumer():
+            consume(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem,
+                    ml_smem, q_bar, k_bars, v_bars, free_bars)
+
+    def consume(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem, ml_smem,
+                q_bar, k_bars, v_bars, free_bars):
+        """The consumer warpgroup: the online softmax over the tiles, then the partial results."""
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
+        if alibi_smem is not None:
+            plgpu.copy_gmem_to_smem(alibi_ref.at[h], alibi_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+        if alibi_smem is not None:
+            # f32[64], one slope per row of the scores (the layout of their row reductions).
+            slopes = plgpu.load(alibi_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+        score_scale = scale if scores_ref is None else scores_ref[b, h]
+
+        def tile_body(step, carry):
+            acc, m_prev, l_prev = carry  # f32[64, D], f32[64], f32[64]
+            tile = tile_lo + step
+            slot = jax.lax.rem(step, num_stages)
+            pos = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, (MMA_ROWS, block_k), 1)
+            valid = (pos >= first) & (pos < n)
+            partial = (tile * block_k < first) | ((tile + 1) * block_k > n)
+
+            plgpu.barrier_wait(k_bars.at[slot])
+            if convert:
+                kc_smem[...] = _from_fp8(k_smem[slot], compute_dtype)
+                plgpu.commit_smem()
+                k_tile = kc_smem
+            else:
+                k_tile = k_smem.at[slot]
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((MMA_ROWS, block_k), jnp.float32))  # f32[64, Tk]
+            s = s * score_scale
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            if alibi_smem is not None:
+                rel = (pos - (n - 1)).astype(jnp.float32)
+                s = s + jax.lax.broadcast_in_dim(slopes, s.shape, [0]) * rel
+            s = jnp.where(valid, s, -jnp.inf)
+            m_next = jnp.maximum(m_prev, s.max(axis=1))
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+            alpha = jnp.exp(m_prev - m_safe)  # f32[64]
+            p = jnp.exp(s - jax.lax.broadcast_in_dim(m_safe, s.shape, [0]))  # 0 where masked
+            l_next = l_prev * alpha + p.sum(axis=1)
+
+            plgpu.barrier_wait(v_bars.at[slot])
+            row = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
+            row_ok = (row >= first) & (row < n)
+            if convert:
+                v = _from_fp8(v_smem[slot], compute_dtype)
+                vc_smem[...] = jnp.where(row_ok, v, jnp.zeros_like(v))
+                plgpu.commit_smem()
+                v_tile = vc_smem
+            else:
+                @pl.when(partial)
+                def _zero_invalid_rows():
+                    v = v_smem[slot]
+                    v_smem[slot] = jnp.where(row_ok, v, jnp.zeros_like(v))
+                    plgpu.commit_smem()
+                v_tile = v_smem.at[slot]
+
+            # P goes through shared memory: interpret mode takes wgmma operands from SMEM only.
+            p_smem[...] = p.astype(compute_dtype)
+            plgpu.commit_smem()
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_tile)
+                return acc_ref[...]
+
+            # A fresh accumulator per tile (its own scope: interpret mode cannot mix ACC with
+            # other memory spaces, nor seed it from registers), added to the rescaled sum.
+            pv_tile = pl.run_scoped(pv, plgpu.ACC((MMA_ROWS, head_dim), jnp.float32))
+            # Both wgmmas have read the stage: free it, when the producer will refill it (every
+            # arrival is waited for, so no barrier phase is left unobserved).
+            @pl.when(step + num_stages < num_tiles)
+            def _free():
+                plgpu.barrier_arrive(free_bars.at[slot])
+
+            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_tile
+            return acc, m_next, l_next
+
+        carry = (jnp.zeros((MMA_ROWS, head_dim), jnp.float32),
+                 jnp.full((MMA_ROWS,), -jnp.inf, jnp.float32),
+                 jnp.zeros((MMA_ROWS,), jnp.float32))
+        acc, m, l = jax.lax.fori_loop(0, num_tiles, tile_body, carry)
+        o_smem[...] = acc
+        ml_smem[0] = m
+        ml_smem[1] = l
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[b, h, split])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[b, h, split])
+        plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[b, h, split])
+        plgpu.wait_smem_to_gmem(0)
+
+    def smem(shape, dtype, *, mma_operand):
+        if not mma_operand:
+            return plgpu.SMEM(shape, dtype)
+        itemsize = jnp.dtype(dtype).itemsize
+        row_bytes = shape[-1] * itemsize  # 32, 64 or >= 128 bytes: the widest swizzle that fits
+        swizzle = 128 if row_bytes % 128 == 0 else 64 if row_bytes % 64 == 0 else 32
+        return plgpu.SMEM(shape, dtype, transforms=(
+            plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
+
+    cache_dtype = k_ref.dtype
+    scratch = (
+        smem((MMA_ROWS, head_dim), compute_dtype, mma_operand=True),
+        smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
+        smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
+        smem((block_k, head_dim), compute_dtype, mma_operand=True) if convert else None,
+        smem((block_k, head_dim), compute_dtype, mma_operand=True) if convert else None,
+        smem((MMA_ROWS, block_k), compute_dtype, mma_operand=True),
+        smem((MMA_ROWS,), jnp.float32, mma_operand=False) if alibi_ref is not None else None,
+        smem((MMA_ROWS, head_dim), jnp.float32, mma_operand=False),
+        smem((2, MMA_ROWS), jnp.float32, mma_operand=False),
+        plgpu.Barrier(num_arrivals=1 if alibi_ref is None else 2),  # q (and the slopes)
+        plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+    )
+    pl.run_scoped(body, *scratch, collective_axes="wg")
+
+
+def _from_fp8(x, dtype):
+    """fp8 -> ``dtype`` (fp16, the one conversion from e4m3 that sm_90 has in hardware; exact)."""
+    x = x.astype(jnp.float16)
+    return x if jnp.dtype(dtype) == jnp.dtype(jnp.float16) else x.astype(dtype)
+
+
+def _copies_per_tile(block_size: int, block_k: int) -> int:
+    return block_k // block_size if block_size <= block_k else 1
+
+
+def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
+                  config: MosaicDecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
+                  sliding_window, sinks, k_scale, v_scale):
+    """The Mosaic GPU kernel over the grid ``(batch, num_kv_heads, num_splits)``, then the merge.
+
+    Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float).
+
+    Returns:
+      ``(out [batch, num_heads, head_dim] in q.dtype, lse f32[batch, num_heads])``. ``k_scale`` /
+      ``v_scale`` may be python floats or ``f32[]`` arrays: both enter the program as operands.
+
+    Raises:
+      ValueError: on jax < 0.11.2, on GPUs before sm_90 (compiled), and for shapes or dtypes the
+        kernel does not support (see the module docstring).
+    """
+    plgpu = _plgpu()
+    check_supported(q, k_cache, config)
+    check_device(interpret)
+    batch, num_heads, head_dim = q.shape
+    _, _, kvh, _ = k_cache.shape
+    group = num_heads // kvh
+    splits = config.num_splits
+    compute_dtype = dot_dtype(q.dtype, k_cache.dtype)  # fp16 for fp8 caches
+    lens = context_lens.astype(jnp.int32)
+    tables = block_tables.astype(jnp.int32)
+    q_grouped = q.reshape(batch, kvh, group, head_dim)
+    score_multipliers = None
+    if k_scale is not None:
+        # fp8: the score multiplier is an operand, f32[batch, kvh] (k_scale may be a python float
+        # or a traced f32[]), so one program serves every scale.
+        shift = jnp.ones((batch, kvh), jnp.float32)
+        if compute_dtype != q.dtype:
+            # A bf16 query for the fp16 wgmmas: divide each group by the power of two that brings
+            # its largest |q| under 2**15 (exact), and multiply the scores back.
+            q32 = q_grouped.astype(jnp.float32)
+            q_max = jnp.max(jnp.abs(q32), axis=(2, 3))  # f32[batch, kvh]
+            shift = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(q_max / FP16_SAFE_MAX)), 0.0))
+            q_grouped = q32 / shift[..., None, None]
+        k_mult = jnp.asarray(k_scale, jnp.float32).reshape(())
+        score_multipliers = shift * (jnp.float32(scale) * k_mult)
+    pad_rows = ((0, 0), (0, 0), (0, MMA_ROWS - group))
+    q_padded = jnp.pad(q_grouped.astype(compute_dtype), pad_rows + ((0, 0),))
+    alibi = None
+    if alibi_slopes is not None:
+        alibi = jnp.pad(alibi_slopes.astype(jnp.float32).reshape(kvh, group),
+                        ((0, 0), (0, MMA_ROWS - group)))
+    body = functools.partial(
+        _paged_decode_kernel, plgpu=plgpu, scale=scale, group=group,
+        block_k=config.block_k, num_splits=splits, num_stages=config.num_stages,
+        soft_cap=logits_soft_cap, window=sliding_window, compute_dtype=compute_dtype)
+    optional = {"alibi": alibi, "scores": score_multipliers}  # inputs only some calls have
+    present = [name for name, x in optional.items() if x is not None]
+
+    def kernel_body(lens_r, tables_r, q_r, k_r, v_r, *rest):
+        given = dict(zip(present, rest))
+        body(lens_r, tables_r, q_r, k_r, v_r, given.get("alibi"), given.get("scores"),
+             *rest[len(present):])
+
+    operands = (lens, tables, q_padded, k_cache, v_cache, *(optional[name] for name in present))
+    out_type = (jax.ShapeDtypeStruct((batch, kvh, splits, group, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((batch, kvh, splits, MMA_ROWS), jnp.float32),
+                jax.ShapeDtypeStruct((batch, kvh, splits, MMA_ROWS), jnp.float32))
+    name = (f"{KERNEL_NAME}_bk{config.block_k}_s{splits}_st{config.num_stages}_g{group}"
+            f"_d{head_dim}_bs{k_cache.shape[1]}")
+    o, m, l = plgpu.kernel(
+        kernel_body,
+        out_type=out_type,
+        grid=(batch, kvh, splits),
+        grid_names=("batch", "kv_head", "split"),
+        num_threads=2,
+        thread_name="wg",
+        kernel_name=name,
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(*operands)
+    if v_scale is not None:  # P V is linear in V: dequantize the partial sums
+        o = o * jnp.asarray(v_scale, jnp.float32).reshape(())
+    n = jnp.clip(lens, 0, block_tables.shape[1] * k_cache.shape[1])
+    sinks_per_head = None if sinks is None else sinks.astype(jnp.float32).reshape(kvh, group)
+    out, lse = _merge_splits(o, m[..., :group], l[..., :group], n, sinks_per_head)
+    return (out.astype(q.dtype).reshape(batch, num_heads, head_dim),
+            lse.reshape(batch, num_heads))

@@ -1,0 +1,445 @@
+"""`decode(..., impl="mosaic")`, the Mosaic GPU kernel, against the float64 oracle and `torch_ref`:
+every option, fp8 caches, split-K, GQA, and the SPEC invariants I2-I7.
+
+On a CPU the kernel runs in Mosaic GPU's interpret mode (``plgpu.InterpretGPUParams``: shared
+memory, TMA, barriers and wgmma simulated, with race detection), so the shapes are small; on a GPU
+the same tests run the compiled kernel, and the ``gpu`` tests add realistic shapes. jax < 0.11.2
+has no ``plgpu.kernel`` of this API: the module is skipped there (the ValueError it gives is
+tested with a patched version number).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_paged as pp
+import torch_ref
+from oracle import fp8_e4m3fn_to_float, oracle_paged_attention
+from paged_inputs import make_paged, to_numpy
+from pallas_paged.decode_attention import mosaic_gpu
+from pallas_paged.decode_attention.configs import MosaicDecodeConfig
+from test_decode import numpy_attention, run_torch
+
+pytestmark = pytest.mark.skipif(
+    mosaic_gpu.jax_version() < mosaic_gpu.MIN_JAX,
+    reason=f"impl='mosaic' needs jax >= 0.11.2 (plgpu.kernel); this is jax {jax.__version__}")
+
+# Max abs error against the float64 oracle, outputs of order 1: the output's rounding plus the
+# softmax weights rounded to the query dtype for the P V wgmma.
+ATOL = {"bfloat16": 2e-2, "float16": 3e-3}
+ONE_SPLIT = MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=2)
+THREE_SPLITS = MosaicDecodeConfig(block_k=64, num_splits=3, num_stages=2)
+
+
+def mosaic(paged, config=ONE_SPLIT, **kwargs):
+    """``impl="mosaic"`` on ``paged`` -> numpy float32 (and lse with ``return_lse``)."""
+    options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+    out = pp.decode(*paged.jax(), impl="mosaic", config=config, **options)
+    if kwargs.get("return_lse"):
+        return to_numpy(out[0]).astype(np.float32), to_numpy(out[1])
+    return to_numpy(out).astype(np.float32)
+
+
+def oracle(paged, **kwargs):
+    kwargs.pop("return_lse", None)
+    decoded = lambda c: (fp8_e4m3fn_to_float(c.view(np.uint8))  # noqa: E731
+                         if c.dtype.itemsize == 1 else c.astype(np.float64))
+    return oracle_paged_attention(paged.q.astype(np.float64), decoded(paged.k_cache),
+                                  decoded(paged.v_cache), paged.block_tables,
+                                  paged.context_lens, **kwargs)
+
+
+def assert_matches_oracle(paged, dtype, config=ONE_SPLIT, **kwargs):
+    out, lse = mosaic(paged, config, return_lse=True, **kwargs)
+    expected, expected_lse = oracle(paged, **kwargs)
+    assert np.isfinite(out).all(), "NaN or Inf in the output"
+    np.testing.assert_allclose(out, expected, atol=ATOL[dtype], rtol=0)
+    np.testing.assert_allclose(lse, expected_lse, atol=1e-4, rtol=1e-5)
+    return out
+
+
+def every_option(rng, num_heads):
+    return dict(logits_soft_cap=3.0,
+                alibi_slopes=(2.0 ** -np.arange(1, num_heads + 1)).astype(np.float32),
+                sliding_window=37,
+                sinks=rng.standard_normal(num_heads).astype(np.float32))
+
+
+# --- against the oracle and torch_ref ------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,config", [("bfloat16", THREE_SPLITS), ("float16", ONE_SPLIT)])
+def test_matches_oracle_and_torch_ref(rng, dtype, config):
+    paged = make_paged(rng, lens=[150, 0, 1, 16, 17, 64], num_heads=8, num_kv_heads=2,
+                       head_dim=64, block_size=16, dtype=dtype)
+    out = assert_matches_oracle(paged, dtype, config)
+    np.testing.assert_allclose(out, run_torch(paged), atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
+def test_gqa_groups(rng, num_heads, num_kv_heads):
+    """Groups of 1, 2, 4 and 8 query heads per kv head, all in one wgmma."""
+    paged = make_paged(rng, lens=[70, 9], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_dim=64, block_size=16, dtype="bfloat16")
+    assert_matches_oracle(paged, "bfloat16")
+
+
+def test_i5_gqa_is_repeat_interleave(rng):
+    paged = make_paged(rng, lens=[40, 14], num_heads=8, num_kv_heads=2, head_dim=64,
+                       block_size=8, dtype="float16")
+    out = assert_matches_oracle(paged, "float16")
+    # `repeat` (h -> h % KVH) gives a clearly different answer on these inputs.
+    assert np.abs(out - numpy_attention(paged, lambda h: h % 2)).max() > 1e-2
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 128])
+def test_block_sizes(rng, block_size):
+    """Pages smaller than a tile (several TMA copies per tile) and larger (a slice per tile);
+    lengths 1, bs - 1, bs, bs + 1, 2 bs + 3."""
+    lens = [1, block_size - 1, block_size, block_size + 1, 2 * block_size + 3]
+    paged = make_paged(rng, lens=lens, num_heads=4, num_kv_heads=1, head_dim=64,
+                       block_size=block_size, dtype="bfloat16")
+    assert_matches_oracle(paged, "bfloat16", MosaicDecodeConfig(num_splits=2, num_stages=2))
+
+
+@pytest.mark.parametrize("which", ["alibi_slopes", "sinks", "all"])  # (window, soft-cap: below)
+def test_options(rng, which):
+    paged = make_paged(rng, lens=[150, 0, 1, 40, 64], num_heads=8, num_kv_heads=2, head_dim=64,
+                       block_size=16, dtype="bfloat16")
+    every = every_option(rng, 8)
+    options = every if which == "all" else {which: every[which]}
+    assert_matches_oracle(paged, "bfloat16", THREE_SPLITS, scale=0.2, **options)
+
+
+@pytest.mark.parametrize("window", [1, 17, 100])
+def test_sliding_window_skips_pages_before_it(rng, window):
+    """Whole pages before the window hold NaN (they are not read); the window may start inside a
+    page and inside a tile."""
+    paged = make_paged(rng, lens=[200, 33, 5], num_heads=4, num_kv_heads=2, head_dim=64,
+                       block_size=16, dtype="bfloat16", fill=np.nan)
+    expected, _ = oracle(paged, sliding_window=window)
+    for b, n in enumerate(paged.context_lens):
+        for page in range(max(n - window, 0) // 16):
+            paged.k_cache[paged.block_tables[b, page]] = np.nan
+            paged.v_cache[paged.block_tables[b, page]] = np.nan
+    out = mosaic(paged, THREE_SPLITS, sliding_window=window)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expected, atol=ATOL["bfloat16"], rtol=0)
+
+
+@pytest.mark.parametrize("q_dtype", ["bfloat16", "float16"])
+def test_fp8_cache(rng, q_dtype):
+    paged = make_paged(rng, lens=[100, 0, 17], num_heads=8, num_kv_heads=2, head_dim=64,
+                       block_size=16, dtype="float8_e4m3fn", q_dtype=q_dtype)
+    assert_matches_oracle(paged, q_dtype, THREE_SPLITS, k_scale=0.5, v_scale=2.0)
+
+
+def test_fp8_scales_may_be_traced_operands(rng):
+    """The kernel takes ``k_scale`` / ``v_scale`` as f32[] operands (one program for every scale),
+    with the same result as python floats."""
+    paged = make_paged(rng, lens=[40, 3], num_heads=4, num_kv_heads=2, head_dim=64,
+                       block_size=16, dtype="float8_e4m3fn")
+    options = dict(scale=0.125, config=ONE_SPLIT, interpret=True, logits_soft_cap=None,
+                   alibi_slopes=None, sliding_window=None, sinks=None)
+    run = jax.jit(lambda k_scale, v_scale: mosaic_gpu.decode_mosaic(
+        *paged.jax(), k_scale=k_scale, v_scale=v_scale, **options))
+    traced = run(jnp.float32(0.5), jnp.float32(2.0))
+    floats = mosaic_gpu.decode_mosaic(*paged.jax(), k_scale=0.5, v_scale=2.0, **options)
+    for got, expected in zip(traced, floats):
+        np.testing.assert_array_equal(to_numpy(got), to_numpy(expected))
+
+
+def test_fp8_cache_bf16_query_beyond_fp16_range(rng):
+    """The fp16 wgmmas of an fp8 cache take a bf16 query of magnitude 2**17 (past fp16's 65504):
+    it is divided by a power of two and the scores multiplied back, so nothing overflows."""
+    paged = make_paged(rng, lens=[70, 5], num_heads=4, num_kv_heads=2, head_dim=64,
+                       block_size=16, dtype="float8_e4m3fn")
+    paged.q = (paged.q.astype(np.float32) * 2.0**17).astype(paged.q.dtype)
+    assert_matches_oracle(paged, "bfloat16", scale=2.0**-17 / 8, k_scale=0.5, v_scale=2.0)
+
+
+def test_fp8_cache_every_option_nan_poisoned(rng):
+    """fp8 NaN codes in every unused slot (e4m3fn has no Inf) with every option."""
+    paged = make_paged(rng, lens=[90, 1, 33], num_heads=4, num_kv_heads=1, head_dim=128,
+                       block_size=16, dtype="float8_e4m3fn", fill=np.nan)
+    assert_matches_oracle(paged, "bfloat16", k_scale=0.25, v_scale=0.75, **every_option(rng, 4))
+
+
+# --- SPEC invariants -------------------------------------------------------------------------------
+
+def test_i2_table_tail_is_never_read(rng):
+    paged = make_paged(rng, lens=[5, 0, 33, 16], num_heads=4, num_kv_heads=2, head_dim=64,
+                       block_size=8, max_blocks=9, dtype="bfloat16", tail=(0,))
+    clean = mosaic(paged)
+    tables = paged.block_tables.copy()
+    used = np.arange(tables.shape[1])[None, :] < -(-paged.context_lens // 8)[:, None]
+    for garbage in (2**30, -(2**31)):
+        tables[~used] = garbage
+        np.testing.assert_array_equal(mosaic(paged.__class__(**{**vars(paged),
+                                                                 "block_tables": tables})), clean)
+
+
+def test_i3_exactly_n_rows_enter(rng):
+    """Huge values right after the last valid token of a partial page would dominate."""
+    paged = make_paged(rng, lens=[1, 3, 16, 17, 63], num_heads=4, num_kv_heads=1, head_dim=64,
+                       block_size=16, dtype="bfloat16", fill=1e4)
+    assert_matches_oracle(paged, "bfloat16")
+
+
+def test_i4_paged_equals_dense(rng):
+    paged = make_paged(rng, lens=[70, 16, 1], num_heads=4, num_kv_heads=2, head_dim=64,
+                       block_size=8, spare_blocks=10, dtype="float16")
+    out = mosaic(paged)
+    k = np.zeros((3, 72, 2, 64), np.float32)
+    v = np.zeros((3, 72, 2, 64), np.float32)
+    for b, n in enumerate(paged.context_lens):
+        for pos in range(n):
+            block = paged.block_tables[b, pos // 8]
+            k[b, pos], v[b, pos] = paged.k_cache[block, pos % 8], paged.v_cache[block, pos % 8]
+    import torch
+    dense = torch_ref.dense_decode_attention(torch.from_numpy(paged.q.astype(np.float32)),
+                                             torch.from_numpy(k), torch.from_numpy(v),
+                                             torch.from_numpy(paged.context_lens))
+    np.testing.assert_allclose(out, dense.numpy(), atol=ATOL["float16"], rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+@pytest.mark.parametrize("fill", [np.nan, np.inf])
+def test_i6_poisoned_unused_slots_change_nothing(rng, fill):
+    """NaN/Inf in every slot that is not a valid token, split tiles and partial pages included:
+    bit-identical to a clean cache."""
+    state = rng.bit_generator.state
+    poisoned = make_paged(rng, lens=[70, 0, 12, 3], num_heads=4, num_kv_heads=2, head_dim=64,
+                          block_size=16, dtype="bfloat16", fill=fill)
+    rng.bit_generator.state = state
+    clean = make_paged(rng, lens=[70, 0, 12, 3], num_heads=4, num_kv_heads=2, head_dim=64,
+                       block_size=16, dtype="bfloat16", fill=0.0)
+    out = mosaic(poisoned, THREE_SPLITS)
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out, mosaic(clean, THREE_SPLITS))
+
+
+def test_i7_zero_length_rows(rng):
+    paged = make_paged(rng, lens=[0, 9, 0, 40], num_heads=4, num_kv_heads=2, head_dim=64,
+                       block_size=8, dtype="bfloat16")
+    sinks = rng.standard_normal(4).astype(np.float32)
+    out, lse = mosaic(paged, THREE_SPLITS, return_lse=True, sinks=sinks)
+    assert (out[[0, 2]] == 0).all() and np.isneginf(lse[[0, 2]]).all()
+    expected, _ = oracle(paged, sinks=sinks)
+    np.testing.assert_allclose(out[[1, 3]], expected[[1, 3]], atol=ATOL["bfloat16"], rtol=0)
+
+
+def test_out_of_range_ids_and_lengths_are_clamped(rng):
+    """Under jit a bad id inside the valid part reads a clamped block, never outside the cache;
+    lengths are clamped into [0, capacity]."""
+    paged = make_paged(rng, lens=[17, 24], num_heads=4, num_kv_heads=2, head_dim=64,
+                       block_size=8, dtype="bfloat16", fill=0.0)
+    num_blocks = paged.k_cache.shape[0]
+    tables = paged.block_tables.copy()
+    tables[0, 1], tables[1, 0], tables[1, 2] = 2**30, -5, num_blocks
+    bad = paged.__class__(**{**vars(paged), "block_tables": tables,
+                             "context_lens": np.array([17, 1000], np.int32)})
+    fixed = paged.__class__(**{**vars(paged), "block_tables": np.clip(tables, 0, num_blocks - 1),
+                               "context_lens": np.array([17, 24], np.int32)})
+    np.testing.assert_array_equal(mosaic(bad), mosaic(fixed))
+
+
+def test_usable_inside_user_jit(rng):
+    paged = make_paged(rng, lens=[6, 11], num_heads=4, num_kv_heads=2, head_dim=64,
+                       block_size=8, dtype="bfloat16")
+
+    @jax.jit
+    def step(q, k_cache, v_cache, tables, lens):
+        return pp.decode(q, k_cache, v_cache, tables, lens, impl="mosaic", config=ONE_SPLIT) * 2
+
+    np.testing.assert_array_equal(to_numpy(step(*paged.jax())).astype(np.float32),
+                                  2 * mosaic(paged))
+
+
+# --- what the kernel refuses, with a ValueError naming the argument ------------------------------
+
+def _abstract(batch=2, num_heads=8, kvh=2, head_dim=64, block_size=16, dtype=jnp.bfloat16,
+              cache_dtype=None):
+    q = jax.ShapeDtypeStruct((batch, num_heads, head_dim), dtype)
+    cache = jax.ShapeDtypeStruct((40, block_size, kvh, head_dim), cache_dtype or dtype)
+    return (q, cache, cache, jax.ShapeDtypeStruct((batch, 8), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(dtype=jnp.float32), r"q.dtype=.*float32.*TF32"),
+    (dict(head_dim=32), r"head_dim in \(64, 128\).*q.shape=\(2, 8, 32\)"),
+    (dict(head_dim=256), r"head_dim in \(64, 128\)"),
+    (dict(block_size=12), r"block_size a multiple of 8.*block_size=12"),
+    (dict(block_size=48), r"block_size a multiple of 8.*block_size=48"),
+    (dict(num_heads=128, kvh=1), r"up to 64 query heads per kv head"),
+    # (the shared static validation may refuse the mix first, in its own words)
+    (dict(cache_dtype=jnp.float16), r"caches of q's dtype or float8_e4m3fn|must equal k_cache"),
+])
+def test_unsupported_inputs_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(functools.partial(pp.decode, impl="mosaic", interpret=True),
+                       *_abstract(**kwargs))
+
+
+def test_config_type_and_fields_are_checked():
+    args = _abstract()
+    with pytest.raises(ValueError, match="config must be a MosaicDecodeConfig"):
+        jax.eval_shape(functools.partial(pp.decode, impl="mosaic", config=pp.DecodeConfig()),
+                       *args)
+    with pytest.raises(ValueError, match="config must be a DecodeConfig"):
+        jax.eval_shape(functools.partial(pp.decode, impl="pallas", config=ONE_SPLIT), *args)
+    with pytest.raises(ValueError, match="block_k=32 must be 64 or 128"):
+        MosaicDecodeConfig(block_k=32)
+    with pytest.raises(ValueError, match="num_stages=1 must be >= 2"):
+        MosaicDecodeConfig(num_stages=1)
+    with pytest.raises(ValueError, match="shared memory"):
+        jax.eval_shape(functools.partial(
+            pp.decode, impl="mosaic", interpret=True,
+            config=MosaicDecodeConfig(block_k=128, num_stages=8)), *args)
+
+
+def test_old_jax_raises(monkeypatch):
+    monkeypatch.setattr(mosaic_gpu, "jax_version", lambda: (0, 10, 2))
+    with pytest.raises(ValueError, match=r"impl='mosaic' needs jax >= 0.11.2"):
+        jax.eval_shape(functools.partial(pp.decode, impl="mosaic", interpret=True), *_abstract())
+
+
+def test_compiled_needs_an_sm90_gpu(on_gpu):
+    if on_gpu:
+        kind = jax.devices()[0].device_kind
+        capability = float(getattr(jax.devices()[0], "compute_capability", "0"))
+        if capability >= 9.0:
+            mosaic_gpu.check_device(interpret=False)  # no error on Hopper and later
+            return
+        pytest.skip(f"{kind} is not sm_90+")
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+        mosaic_gpu.check_device(interpret=False)
+    mosaic_gpu.check_device(interpret=True)
+
+
+def test_heuristic_config_fits_and_splits_small_batches():
+    shape = pp.DecodeShape(batch=1, num_kv_heads=8, group=4, head_dim=128, block_size=16,
+                           capacity=32768, cache_dtype="bfloat16")
+    from pallas_paged.decode_attention.configs import get_mosaic_heuristic_config
+    config = get_mosaic_heuristic_config(shape, sm_count=132)
+    assert config.num_splits >= 32  # B=1: enough CTAs for 132 SMs
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        for head_dim in (64, 128):
+            c = get_mosaic_heuristic_config(
+                pp.DecodeShape(32, 8, 4, head_dim, 16, 4096, dtype), sm_count=132)
+            q_dtype = "bfloat16"
+            assert mosaic_gpu.smem_bytes(head_dim, dtype, q_dtype, c, alibi=True) <= \
+                mosaic_gpu.MAX_SMEM_BYTES
+
+
+# --- lowered for CUDA (no GPU needed): Mosaic GPU's own lowering and layout inference run ---------
+
+LOWERINGS = {
+    "bf16_g4_d128": dict(),
+    "fp16_d64_every_option_splits": dict(head_dim=64, dtype=jnp.float16, options=True,
+                                         config=MosaicDecodeConfig(block_k=64, num_splits=4,
+                                                                   num_stages=4)),
+    "fp8_bf16_query": dict(cache_dtype=jnp.float8_e4m3fn, scales=True),
+    "fp8_fp16_query_every_option": dict(dtype=jnp.float16, cache_dtype=jnp.float8_e4m3fn,
+                                        scales=True, options=True),
+    "bs8_mha": dict(block_size=8, num_heads=2, kvh=2),
+    "bs128_subpage_tiles_g8": dict(block_size=128, num_heads=16, kvh=2,
+                                   config=MosaicDecodeConfig(block_k=64, num_splits=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(LOWERINGS), ids=str)
+def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
+    """Lowered for CUDA on any machine, impl="mosaic" is one Mosaic GPU custom call carrying our
+    kernel's name; this runs Mosaic's lowering (layout inference included), which is what rejects
+    an unsupported layout before any GPU sees it. (`check_device` stops compiled runs without an
+    sm_90 GPU; lowering needs none, so it is lifted here.)"""
+    monkeypatch.setattr(mosaic_gpu, "check_device", lambda interpret: None)
+    spec = dict(LOWERINGS[case])
+    options, scales = spec.pop("options", False), spec.pop("scales", False)
+    config = spec.pop("config", None)
+    args = _abstract(head_dim=spec.pop("head_dim", 128), **spec)
+    kwargs = dict(k_scale=0.5, v_scale=0.25) if scales else {}
+    num_heads = args[0].shape[1]
+    if options:
+        kwargs.update(logits_soft_cap=5.0, sliding_window=100, return_lse=True)
+        extra = (jax.ShapeDtypeStruct((num_heads,), jnp.float32),) * 2  # alibi slopes, sinks
+        fn = lambda *a: pp.decode(*a[:5], impl="mosaic", interpret=False, config=config,  # noqa: E731
+                                  alibi_slopes=a[5], sinks=a[6], **kwargs)
+    else:
+        extra = ()
+        fn = functools.partial(pp.decode, impl="mosaic", interpret=False, config=config, **kwargs)
+    text = jax.jit(fn).trace(*args, *extra).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert mosaic_gpu.KERNEL_NAME in text and "xla.gpu.triton" not in text
+
+
+# --- the compiled kernel on a GPU ------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_compiled_program_contains_the_mosaic_kernel(rng):
+    paged = make_paged(rng, lens=[33, 7], num_heads=8, num_kv_heads=2, head_dim=128,
+                       block_size=16, dtype="bfloat16")
+    fn = jax.jit(functools.partial(pp.decode, impl="mosaic"))
+    text = fn.lower(*paged.jax()).compile().as_text()
+    assert "mosaic_gpu" in text and mosaic_gpu.KERNEL_NAME in text
+    assert "xla.gpu.triton" not in text
+
+
+def _realistic(rng, batch, context, dtype, num_kv_heads=8):
+    """H=32, D=128, bs=16, shuffled blocks; every sequence at ``context`` but one shorter row
+    and one empty one when the batch allows."""
+    lens = [context] * batch
+    if batch > 2:
+        lens[1], lens[2] = context // 3 + 5, 0
+    return make_paged(rng, lens=lens, num_heads=32, num_kv_heads=num_kv_heads, head_dim=128,
+                      block_size=16, dtype=dtype, fill=np.nan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,context,dtype", [(1, 32768, "bfloat16"), (32, 4096, "bfloat16"),
+                                                 (32, 4096, "float8_e4m3fn")])
+def test_compiled_kernel_at_realistic_shapes(rng, batch, context, dtype):
+    """Against impl="xla" (fp32 inside; the oracle's loops would take minutes at these sizes)."""
+    paged = _realistic(rng, batch, context, dtype)
+    scales = dict(k_scale=0.5, v_scale=0.25) if dtype == "float8_e4m3fn" else {}
+    out, lse = pp.decode(*paged.jax(), impl="mosaic", return_lse=True, **scales)
+    ref, ref_lse = pp.decode(*paged.jax(), impl="xla", return_lse=True, **scales)
+    out = to_numpy(out).astype(np.float32)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, to_numpy(ref).astype(np.float32), atol=2e-2, rtol=0)
+    np.testing.assert_allclose(to_numpy(lse), to_numpy(ref_lse), atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_compiled_kernel_every_option_with_splits(rng):
+    paged = _realistic(rng, 4, 5000, "bfloat16")
+    options = every_option(rng, 32)
+    options["sliding_window"] = 1500
+    config = MosaicDecodeConfig(block_k=64, num_splits=8, num_stages=4)
+    jax_options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in options.items()}
+    out = pp.decode(*paged.jax(), impl="mosaic", config=config, **jax_options)
+    ref = pp.decode(*paged.jax(), impl="xla", **jax_options)
+    np.testing.assert_allclose(to_numpy(out).astype(np.float32),
+                               to_numpy(ref).astype(np.float32), atol=2e-2, rtol=0)
+
+
+def test_bench_mosaic_smoke(tmp_path, monkeypatch):
+    """`benchmarks.bench_mosaic --smoke`: both kernels checked against impl="xla" and timed on a
+    tiny shape (interpret mode on a CPU: the numbers mean nothing, the plumbing must work)."""
+    from benchmarks import bench_mosaic
+    monkeypatch.setattr(bench_mosaic, "SMOKE_SHAPES", bench_mosaic.SMOKE_SHAPES[:1])
+    path = tmp_path / "rows.json"
+    assert bench_mosaic.main(["--smoke", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert {(r["shape"], r["impl"]) for r in rows} == {
+        (s.name, impl) for s in bench_mosaic.SMOKE_SHAPES for impl in ("mosaic", "pallas")}
+    for row in rows:
+        assert row["correct"], row
+        assert row["us"] > 0 and row["of_copy"] > 0, row
