@@ -37,8 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", action="append", default=None, metavar="DTYPE",
                         help="only cases with this cache dtype (float32, bfloat16, float16,"
                              " float8_e4m3fn or fp32/bf16/fp16/fp8); repeatable")
-    parser.add_argument("--impl", action="append", default=None, choices=("xla", "pallas"),
-                        help="JAX implementation(s) to check (default: both); torch_ref always"
+    parser.add_argument("--impl", action="append", default=None, choices=("xla", "pallas", "mosaic"),
+                        help="JAX implementation(s) to check (default: xla and pallas; mosaic runs the"
+                             " decode cases its kernel takes, jax >= 0.11.2); torch_ref always"
                              " runs")
     parser.add_argument("--seed", type=int, default=None,
                         help="replace every case's seed with this one")
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from parity import convert, report
-    from parity.compare import IMPLS, run_suite
+    from parity.compare import IMPLS, mosaic_refusal, run_suite
 
     device = args.device or convert.default_device()
     try:
@@ -108,6 +109,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     impls = tuple(dict.fromkeys(args.impl)) if args.impl else IMPLS
     interpret = (device == "cpu") if args.interpret is None else args.interpret
+    if "mosaic" in impls:  # the Mosaic kernel runs the cases it takes; the others are named
+        refused = {c.name: mosaic_refusal(c) for c in selected}
+        for name, why in refused.items():
+            if why is not None:
+                print(f"parity: {name} left out for impl=mosaic: {why}", file=sys.stderr)
+        selected = [c for c in selected if refused[c.name] is None]
+        if not selected:
+            print("python -m parity: error: impl=mosaic takes none of the selected cases",
+                  file=sys.stderr)
+            return EXIT_USAGE
 
     print(f"parity: {len(selected)} {suite_name}-suite case(s) on {device}"
           f" (torch, {', '.join(impls)}; Pallas interpret mode {'on' if interpret else 'off'})",

@@ -53,7 +53,8 @@ __all__ = [
     "run_suite",
 ]
 
-IMPLS = ("xla", "pallas")
+IMPLS = ("xla", "pallas")  # the default sweep
+ALL_IMPLS = IMPLS + ("mosaic",)  # mosaic: asked for by name, on the cases it takes
 WRITE_OUTPUTS = ("k_cache", "v_cache")
 _ARRAY_OPTIONS = ("alibi_slopes", "sinks")
 
@@ -272,9 +273,11 @@ def _run_jax(case: Case, inputs: dict[str, np.ndarray], device: str, impl: str, 
     x = {name: convert.to_jax(a, device) for name, a in inputs.items()}
     scales = _scales(case, lambda s: convert.to_jax(np.asarray(s, np.float32), device))
 
+    write_impl = None if impl == "mosaic" else impl  # no Mosaic write: write_kv's default
+
     def write():
         return pallas_paged.write_kv(x["k_cache"], x["v_cache"], x["k"], x["v"], x["slot_mapping"],
-                                     **scales, impl=impl, interpret=interpret)
+                                     **scales, impl=write_impl, interpret=interpret)
 
     _, timings[f"{impl}.write.first"] = _timed(write, convert.jax_sync)
     (k_cache, v_cache), timings[f"{impl}.write"] = _timed(write, convert.jax_sync)
@@ -321,9 +324,9 @@ def case_outputs(case: Case, device: str = "cpu", *, impls: Sequence[str] = IMPL
       ``"k_cache"``, ``"v_cache"``, ``"out"``, ``"lse"`` it produced, as numpy arrays.
     """
     convert.check_device(device)
-    unknown = [i for i in impls if i not in IMPLS]
+    unknown = [i for i in impls if i not in ALL_IMPLS]
     if unknown:
-        raise ValueError(f"unknown impls {unknown}: choose from {IMPLS}")
+        raise ValueError(f"unknown impls {unknown}: choose from {ALL_IMPLS}")
     interpret = (device == "cpu") if interpret is None else bool(interpret)
     timings: dict[str, float] = {}
     errors: dict[str, str] = {}
@@ -366,6 +369,32 @@ def case_outputs(case: Case, device: str = "cpu", *, impls: Sequence[str] = IMPL
 
 # ------------------------------------------------------------------------------------------------
 # Judging.
+
+def mosaic_refusal(case: Case) -> str | None:
+    """Why ``impl="mosaic"`` cannot run ``case`` (its ValueError), or None when it can.
+
+    The Mosaic GPU kernel is decode-only and takes bf16/fp16 queries, head_dim 64 or 128 and
+    block sizes that are multiples of 8; a sweep with ``--impl mosaic`` runs the cases it takes.
+    """
+    import jax
+    from pallas_paged._platform import device_kind, sm_count
+    from pallas_paged.decode_attention import api, configs, mosaic_gpu
+
+    if mosaic_gpu.jax_version() < mosaic_gpu.MIN_JAX:
+        return f"impl='mosaic' needs jax >= 0.11.2, this is jax {jax.__version__}"
+    if case.ragged:
+        return "impl='mosaic' is decode only (ragged paged_attention runs impl='pallas' or 'xla')"
+    q = jax.ShapeDtypeStruct((case.batch, case.num_heads, case.head_dim), case.q_dtype)
+    cache = jax.ShapeDtypeStruct((1, case.block_size, case.num_kv_heads, case.head_dim),
+                                 case.dtype)
+    tables = jax.ShapeDtypeStruct((case.batch, case.table_width), "int32")
+    config = configs.lookup_mosaic(api.decode_shape(q, cache, tables), device_kind(), sm_count())
+    try:
+        mosaic_gpu.check_supported(q, cache, config)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
 
 def _where(index: tuple[int, ...], block_size: int) -> str:
     block, offset, head, dim = index

@@ -604,3 +604,23 @@ def test_cli_smoke_run_writes_json(tmp_path):
     assert doc["passed"] and doc["device"] == "cpu" and len(doc["cases"]) == 1
     assert {c["label"] for c in doc["cases"][0]["checks"]} == {
         f"{o}[{i}]" for o in ("k_cache", "v_cache", "out") for i in ("torch", "xla", "pallas")}
+
+
+def test_impl_mosaic_runs_the_cases_its_kernel_takes(capsys):
+    """``--impl mosaic``: the decode cases the Mosaic kernel takes run and pass (jax >= 0.11.2,
+    interpret mode here); the others are named and left out; where the kernel cannot run at all,
+    the CLI says so and exits with the usage code."""
+    from pallas_paged.decode_attention import mosaic_gpu
+
+    argv = ["--device", "cpu", "--impl", "mosaic", "-k", "gqa4_h8_d64_bs16_bf16_lse",
+            "-k", "gqa4_h8_d64_bs5_bf16_all", "-q"]
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    if mosaic_gpu.jax_version() < mosaic_gpu.MIN_JAX:
+        assert code == cli.EXIT_USAGE, captured.out
+        assert "impl=mosaic takes none of the selected cases" in captured.err
+        return
+    assert code == 0, captured.out + captured.err
+    assert "PASSED: 1/1 cases passed" in captured.out
+    assert "gqa4_h8_d64_bs5_bf16_all left out for impl=mosaic" in captured.err
+    assert "block_size a multiple of 8" in captured.err
