@@ -558,7 +558,7 @@ def test_heuristic_configs():
     spec = get_heuristic_config(shape(128, 32), 132)
     assert spec.block_q == 4 and spec.dot_rows(4) == 16
     prefill = get_heuristic_config(shape(8192, 4), 132)
-    assert prefill.dot_rows(4) == 128 and prefill.num_splits == 1
+    assert prefill.dot_rows(4) == 64 and prefill.num_splits == 1 and prefill.num_stages == 3
     assert prefill.query_tiles(8192, 4) == 8192 // prefill.block_q + 4
     assert decode.query_tiles(32, 32) == 32  # one program per token, none idle
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from pallas_paged._platform import next_power_of_2
 
 MIN_DOT_ROWS = 16  # the smallest M of a Triton dot
+MAX_DOT_ROWS = 64  # query tokens x GQA group per program at most (the heuristic's choice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,20 +101,16 @@ def get_heuristic_config(shape: AttentionShape, sm_count: int) -> AttentionConfi
     """A reasonable config for any shape: the fallback of the tuned table.
 
     ``block_q`` covers the average query length (1 for decode, 4 for 4-token speculation), up to
-    128 dot rows for prefill (64 for head_dim > 128); K/V tiles of 64 tokens (32 for head_dim >
-    128), or decode's tile rule when the dots have the minimum 16 rows.
+    `MAX_DOT_ROWS` dot rows for prefill and mixed batches, with 4 warps and 3 pipeline stages (on
+    the H200 these beat 128 rows / 8 warps / 2 stages by 1.07x on a 4 x 2048 prefill, 1.18x on a
+    mixed batch and 1.19x on a 2048-token chunk over 32K: docs/BENCHMARKS.md); K/V tiles of 64
+    tokens (32 for head_dim > 128), or decode's tile rule when the dots have the minimum 16 rows.
     """
     itemsize = jnp.dtype(shape.cache_dtype).itemsize
     padded_dim = next_power_of_2(shape.head_dim)
     avg_q = max(1, -(-shape.num_tokens // max(shape.batch, 1)))
-    max_rows = 128 if padded_dim <= 128 else 64  # the fp32 accumulator is rows x head_dim
-    max_block_q = max(1, max_rows // next_power_of_2(shape.group))
+    max_block_q = max(1, MAX_DOT_ROWS // next_power_of_2(shape.group))
     block_q = min(next_power_of_2(avg_q), max_block_q)
-    if block_q * shape.group >= 64 and avg_q < 2 * max_block_q:
-        # An average of under two full tiles is usually a mix (a few prefill chunks among many
-        # decodes, as a serving step has): every decode then fills one query of a tile, so
-        # smaller tiles waste fewer dot rows. An estimate until the tuned table has such shapes.
-        block_q //= 2
     rows = max(MIN_DOT_ROWS, next_power_of_2(block_q * shape.group))
     if rows <= MIN_DOT_ROWS:  # decode-like: memory-bound, decode's tile rule
         block_k = max(16, min(128, (16 * 1024) // (padded_dim * itemsize)))
@@ -124,13 +121,19 @@ def get_heuristic_config(shape: AttentionShape, sm_count: int) -> AttentionConfi
         block_q=block_q,
         block_k=block_k,
         num_splits=_num_splits(shape, block_q, block_k, sm_count),
-        num_warps=8 if rows >= 128 or padded_dim > 128 else 4,
-        num_stages=2,
+        num_warps=8 if padded_dim > 128 else 4,
+        num_stages=2 if rows <= MIN_DOT_ROWS else 3,
     )
 
 
 # device kind -> shape class -> config, measured with `python -m benchmarks.bench_ragged`.
-TUNED: dict[str, dict[tuple, AttentionConfig]] = {}
+# Measured on an NVIDIA H200 (132 SMs), 2026-12-01 (docs/BENCHMARKS.md); only classes where the
+# best candidate beat the heuristic are listed.
+TUNED: dict[str, dict[tuple, AttentionConfig]] = {"NVIDIA H200": {
+    # spec_b32_q4_ctx4096: 145.7 us vs 179.0 us for bq4 bk64 s2 (1.23x)
+    ("bfloat16", 128, 4, 16, 32, 128, 4096): AttentionConfig(block_q=4, block_k=128, num_splits=1,
+                                                              num_warps=4, num_stages=2),
+}}
 
 
 def shape_class(shape: AttentionShape) -> tuple:
