@@ -153,7 +153,24 @@ def test_default_suite_covers_the_brief():
     assert any(set(c.options) >= everything | {"fp8"} for c in suite)
     assert {c.dtype for c in suite if set(c.options) >= everything} == set(cases.DTYPES)
     assert any(c.num_splits and c.num_splits > 1 for c in suite)
-    assert all(c.batch <= 6 and c.capacity <= 200 for c in suite)
+    assert all(c.batch <= 6 and c.capacity <= 200 for c in suite if not c.ragged)
+    # Ragged: small enough for interpret mode, and every kind of query length of the brief.
+    ragged = [c for c in suite if c.ragged]
+    assert all(c.batch <= 8 and c.capacity <= 200 for c in ragged)
+    q_lens, whole, padded = set(), False, False
+    for c in ragged:
+        inputs = cases.make_inputs(c)
+        lens = cases.decode_view(c, inputs)["context_lens"]
+        starts = inputs["query_start_loc"]
+        counts = np.diff(starts)
+        q_lens |= set(counts.tolist())
+        whole |= bool(((counts == inputs["context_lens"]) & (counts > 8)).any())
+        padded |= inputs["q"].shape[0] > starts[-1] and not lens[starts[-1]:].any()
+    assert {0, 1} <= q_lens and q_lens & set(range(2, 9)) and q_lens & {13, 17, 31}
+    assert any(n >= 64 for n in q_lens) and whole and padded
+    assert {c.dtype for c in ragged} == set(cases.DTYPES)
+    assert any(set(c.options) >= everything | {"ragged"} for c in ragged)
+    assert any(c.num_splits and c.num_splits > 1 for c in ragged)
     full = cases.FULL_SUITE
     assert max(c.capacity for c in full) >= 4096 and max(c.batch for c in full) == 64
     assert 256 in {c.head_dim for c in full} and max(c.block_size for c in full) == 64
