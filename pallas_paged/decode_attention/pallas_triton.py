@@ -75,6 +75,17 @@ def query_for_dots(q, score_scale, compute_dtype):
     return q.astype(compute_dtype), score_scale
 
 
+def with_sink(acc, m, l, sink):
+    """An online softmax's ``(acc, m, l)`` with one more logit ``sink`` per row and no value row.
+
+    Args:
+      acc: ``f32[rows, Dp]``; m, l, sink: ``f32[rows]``.
+    """
+    m_total = jnp.maximum(m, sink)
+    correction = jnp.exp(m - m_total)
+    return acc * correction[:, None], m_total, l * correction + jnp.exp(sink - m_total)
+
+
 def _dot_nt(a, b):
     """``a @ b.T`` accumulated in fp32."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=HIGHEST,
@@ -191,11 +202,7 @@ def _paged_decode_kernel(
 
     if sinks_ref is not None:
         sink = plgpu.load(sinks_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gp]
-        m_total = jnp.maximum(m, sink)
-        correction = jnp.exp(m - m_total)
-        acc = acc * correction[:, None]
-        l = l * correction + jnp.exp(sink - m_total)
-        m = m_total
+        acc, m, l = with_sink(acc, m, l, sink)
     o_ref, lse_ref = out_refs
     out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
     plgpu.store(o_ref.at[b, h, rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=out_mask)

@@ -43,6 +43,44 @@ def gather_sequences(cache, block_tables, context_lens):
     return cache[ids].reshape(batch, max_blocks * block_size, kvh, d)
 
 
+def softmax_attention(s, v, visible, distance, *, logits_soft_cap=None, alibi_slopes=None,
+                      sinks=None):
+    """Scaled scores to attention outputs, in fp32: soft-cap -> ALiBi -> mask -> softmax (with
+    sink) -> weighted sum, for rows of queries of either op.
+
+    Args:
+      s: ``f32[R, KVH, G, P]``, ``q . k * scale`` of each row's positions.
+      v: ``f32[R, P, KVH, D]``, the value rows, zero where not visible (so no NaN enters).
+      visible: ``bool[R, P]``, the positions each row takes part in.
+      distance: ``i32[R, P]``, ``j - p`` for ALiBi.
+      logits_soft_cap, alibi_slopes ``f32[KVH * G]``, sinks ``f32[KVH * G]``: as in SPEC.md.
+
+    Returns:
+      ``(out f32[R, KVH, G, D], lse f32[R, KVH, G])``; rows that see nothing give zeros and
+      ``-inf``.
+    """
+    _, kvh, group, _ = s.shape
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+    if alibi_slopes is not None:
+        s = s + (alibi_slopes.reshape(kvh, group)[None, :, :, None]
+                 * distance.astype(jnp.float32)[:, None, None, :])
+    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    m = s.max(axis=-1)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks.reshape(kvh, group)[None])
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(s - m[..., None])
+    denom = e.sum(axis=-1)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks.reshape(kvh, group)[None] - m)
+    o = jnp.einsum("rkgp,rpkd->rkgd", e, v, precision=HIGHEST)
+    has_rows = visible.any(axis=1)[:, None, None]
+    out = jnp.where(has_rows[..., None], o / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+    lse = jnp.where(has_rows, m + jnp.log(denom), -jnp.inf)
+    return out, lse
+
+
 def decode_xla(q, k_cache, v_cache, block_tables, context_lens, *, scale: float,
                logits_soft_cap=None, alibi_slopes=None, sliding_window=None, sinks=None,
                k_scale=None, v_scale=None):
@@ -65,23 +103,8 @@ def decode_xla(q, k_cache, v_cache, block_tables, context_lens, *, scale: float,
     v = jnp.where(rows, v, 0.0)  # [B, P, KVH, D]
     qg = q.astype(jnp.float32).reshape(batch, kvh, group, head_dim)  # head h -> kv head h // group
     s = jnp.einsum("bkgd,bpkd->bkgp", qg, k, precision=HIGHEST) * jnp.float32(scale)
-    if logits_soft_cap is not None:
-        s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-    if alibi_slopes is not None:
-        distance = (jnp.arange(capacity)[None, :] - (n - 1)[:, None]).astype(jnp.float32)  # [B, P]
-        s = s + alibi_slopes.reshape(kvh, group)[None, :, :, None] * distance[:, None, None, :]
-    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)  # [B, KVH, G, P]
-    m = s.max(axis=-1)
-    if sinks is not None:
-        m = jnp.maximum(m, sinks.reshape(kvh, group)[None])
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.exp(s - m[..., None])
-    denom = e.sum(axis=-1)
-    if sinks is not None:
-        denom = denom + jnp.exp(sinks.reshape(kvh, group)[None] - m)
-    o = jnp.einsum("bkgp,bpkd->bkgd", e, v, precision=HIGHEST)
-    has_rows = (n > 0)[:, None, None]
-    out = jnp.where(has_rows[..., None], o / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
-    lse = jnp.where(has_rows, m + jnp.log(denom), -jnp.inf)
+    distance = jnp.arange(capacity)[None, :] - (n - 1)[:, None]  # [B, P]: p - (n - 1)
+    out, lse = softmax_attention(s, v, valid, distance, logits_soft_cap=logits_soft_cap,
+                                 alibi_slopes=alibi_slopes, sinks=sinks)
     return (out.reshape(batch, num_heads, head_dim).astype(q.dtype),
             lse.reshape(batch, num_heads))

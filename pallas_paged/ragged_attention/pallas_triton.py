@@ -45,7 +45,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_paged._platform import next_power_of_2
 from pallas_paged.decode_attention.pallas_triton import (_dot_nn, _dot_nt, _merge_splits,
-                                                         dot_dtype, query_for_dots)
+                                                         dot_dtype, query_for_dots, with_sink)
 from pallas_paged.ragged_attention.configs import AttentionConfig
 
 
@@ -257,11 +257,7 @@ def _ragged_attention_kernel(
     has_keys = row_real & (row_pos >= 0)  # every real row with p >= 0 sees at least p itself
     if sinks_ref is not None:
         sink = plgpu.load(sinks_ref.at[head], mask=row_real, other=0)  # f32[M]
-        m_total = jnp.maximum(m, sink)
-        correction = jnp.exp(m - m_total)
-        acc = acc * correction[:, None]
-        l = l * correction + jnp.exp(sink - m_total)
-        m = m_total
+        acc, m, l = with_sink(acc, m, l, sink)
     o_ref, lse_ref = out_refs
     ok = has_keys & (l > 0)
     out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_paged.decode_attention.xla import gather_sequences
+from pallas_paged.decode_attention.xla import gather_sequences, softmax_attention
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -69,28 +69,12 @@ def paged_attention_xla(q, k_cache, v_cache, block_tables, context_lens, query_s
     k = gather_sequences(k_cache, block_tables, context_lens)[seq].astype(jnp.float32)
     v = gather_sequences(v_cache, block_tables, context_lens)[seq].astype(jnp.float32)
     if k_scale is not None:
-        k, v = k * jnp.float32(k_scale), v * jnp.float32(v_scale)
+        k, v = k * jnp.asarray(k_scale, jnp.float32), v * jnp.asarray(v_scale, jnp.float32)
     k = jnp.where(rows, k, 0.0)  # [T, P, KVH, D]
     v = jnp.where(rows, v, 0.0)  # [T, P, KVH, D]
     qg = q.astype(jnp.float32).reshape(num_tokens, kvh, group, head_dim)  # h -> kv head h // group
     s = jnp.einsum("tkgd,tpkd->tkgp", qg, k, precision=HIGHEST) * jnp.float32(scale)
-    if logits_soft_cap is not None:
-        s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-    if alibi_slopes is not None:
-        distance = (j - pos[:, None]).astype(jnp.float32)  # [T, P], j - p
-        s = s + alibi_slopes.reshape(kvh, group)[None, :, :, None] * distance[:, None, None, :]
-    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)  # [T, KVH, G, P]
-    m = s.max(axis=-1)
-    if sinks is not None:
-        m = jnp.maximum(m, sinks.reshape(kvh, group)[None])
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.exp(s - m[..., None])
-    denom = e.sum(axis=-1)
-    if sinks is not None:
-        denom = denom + jnp.exp(sinks.reshape(kvh, group)[None] - m)
-    o = jnp.einsum("tkgp,tpkd->tkgd", e, v, precision=HIGHEST)
-    has_rows = visible.any(axis=1)[:, None, None]  # padding rows and rows that see nothing
-    out = jnp.where(has_rows[..., None], o / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
-    lse = jnp.where(has_rows, m + jnp.log(denom), -jnp.inf)
+    out, lse = softmax_attention(s, v, visible, j - pos[:, None], logits_soft_cap=logits_soft_cap,
+                                 alibi_slopes=alibi_slopes, sinks=sinks)
     return (out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype),
             lse.reshape(num_tokens, num_heads))
