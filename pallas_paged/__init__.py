@@ -1,19 +1,22 @@
-"""pallas_paged: paged KV-cache write and paged decode attention in JAX, with a Pallas GPU kernel.
+"""pallas_paged: paged KV-cache write, paged decode attention and ragged paged attention in JAX,
+with Pallas GPU kernels.
 
 The semantics are those of `torch_ref` (SPEC.md). One folder per operation (``cache_write/``,
-``decode_attention/``), each split into ``api.py`` (the public function), one file per backend
-(``pallas_triton.py``, ``xla.py``) and, for kernels with knobs, ``configs.py``.
+``decode_attention/``, ``ragged_attention/``), each split into ``api.py`` (the public function),
+one file per backend (``pallas_triton.py``, ``mosaic_gpu.py``, ``xla.py``) and, for kernels with
+knobs, ``configs.py``.
 
 - `write_kv`: masked scatter of new tokens' K/V into the paged cache (slot -1 writes nothing).
 - `decode`: paged decode attention; ``impl="pallas"`` (the kernel, Triton-lowered on GPU,
-  interpret mode elsewhere) or ``impl="xla"`` (plain jnp).
+  interpret mode elsewhere), ``impl="mosaic"`` (a Mosaic GPU kernel: jax >= 0.11.2, sm_90+) or
+  ``impl="xla"`` (plain jnp).
 - `paged_attention`: ragged paged attention (``ragged_attention/``), causal over each sequence's
   new tokens: prefill chunks, speculative decoding and decode in one call; same impls.
 - `validate_write_inputs`, `validate_decode_inputs`, `validate_attention_inputs`: eager value
   checks for untrusted inputs.
-- `DecodeConfig`, `AttentionConfig`: the kernels' knobs.
-- `shard_decode`, `shard_paged_attention`, `shard_write_kv`: the same under `jax.shard_map`, kv heads (tensor-parallel) and/or
-  sequences (batch-parallel) across devices, with no communication.
+- `DecodeConfig`, `MosaicDecodeConfig`, `AttentionConfig`: the kernels' knobs.
+- `shard_decode`, `shard_paged_attention`, `shard_write_kv`: the same under `jax.shard_map`, kv
+  heads (tensor-parallel) and/or sequences (batch-parallel) across devices, with no communication.
 """
 
 from pallas_paged._validation import (validate_attention_inputs, validate_decode_inputs,
