@@ -166,20 +166,15 @@ def static_validate_options(num_heads: int, *, scale=None, logits_soft_cap=None,
             raise ValueError(f"{name}.dtype={_dtype(x)} must be float32")
 
 
-def static_validate_decode(q, k_cache, v_cache, block_tables, context_lens, *, k_scale=None,
-                           v_scale=None, **options) -> None:
-    """Trace-time checks of `decode`'s arguments; ``options`` are its extension keywords + scale."""
-    static_validate_caches(k_cache, v_cache)
-    _check_rank("q", q, 3)
-    _check_rank("block_tables", block_tables, 2)
-    _check_rank("context_lens", context_lens, 1)
+def static_validate_query(q, k_cache) -> None:
+    """q's dtype (the cache's, or any query dtype over an fp8 cache), head_dim and head counts."""
     if _dtype(q) not in [jnp.dtype(t) for t in QUERY_DTYPES]:
         raise ValueError(f"{q.dtype=} must be float32, bfloat16 or float16")
     if _dtype(k_cache) != jnp.dtype(FP8_DTYPE) and _dtype(q) != _dtype(k_cache):
         raise ValueError(
             f"{q.dtype=} must equal {k_cache.dtype=}: mixed query / cache float dtypes are refused"
             " (only a float8_e4m3fn cache takes a float32, bfloat16 or float16 q)")
-    batch, num_heads, head_dim = _shape(q)
+    _, num_heads, head_dim = _shape(q)
     _, _, kvh, d = _shape(k_cache)
     if head_dim != d:
         raise ValueError(f"head_dim mismatch: {q.shape=} but {k_cache.shape=}")
@@ -187,6 +182,17 @@ def static_validate_decode(q, k_cache, v_cache, block_tables, context_lens, *, k
         raise ValueError(
             f"num_heads must be a multiple of num_kv_heads: {q.shape=} has {num_heads} heads,"
             f" {k_cache.shape=} has {kvh} kv heads")
+
+
+def static_validate_decode(q, k_cache, v_cache, block_tables, context_lens, *, k_scale=None,
+                           v_scale=None, **options) -> None:
+    """Trace-time checks of `decode`'s arguments; ``options`` are its extension keywords + scale."""
+    static_validate_caches(k_cache, v_cache)
+    _check_rank("q", q, 3)
+    _check_rank("block_tables", block_tables, 2)
+    _check_rank("context_lens", context_lens, 1)
+    static_validate_query(q, k_cache)
+    batch, num_heads, _ = _shape(q)
     if _shape(block_tables)[0] != batch:
         raise ValueError(f"batch mismatch: {q.shape=} but {block_tables.shape=}")
     if _shape(context_lens) != (batch,):
@@ -338,16 +344,7 @@ def static_validate_attention(q, k_cache, v_cache, block_tables, context_lens, q
     _check_rank("q", q, 3)
     _check_rank("block_tables", block_tables, 2)
     _check_rank("query_start_loc", query_start_loc, 1)
-    if _dtype(q) not in [jnp.dtype(t) for t in QUERY_DTYPES]:
-        raise ValueError(f"{q.dtype=} must be float32, bfloat16 or float16")
-    _, num_heads, head_dim = _shape(q)
-    _, _, kvh, d = _shape(k_cache)
-    if head_dim != d:
-        raise ValueError(f"head_dim mismatch: {q.shape=} but {k_cache.shape=}")
-    if num_heads % kvh != 0:
-        raise ValueError(
-            f"num_heads must be a multiple of num_kv_heads: {q.shape=} has {num_heads} heads,"
-            f" {k_cache.shape=} has {kvh} kv heads")
+    static_validate_query(q, k_cache)  # first, so that errors about q name its real shape
     batch = _shape(block_tables)[0]
     static_validate_decode(_per_sequence_query(q, batch), k_cache, v_cache, block_tables,
                            context_lens, k_scale=k_scale, v_scale=v_scale, **options)
