@@ -242,19 +242,21 @@ def candidate_configs(shape: RaggedBenchShape, default: AttentionConfig) -> list
             for block_k in (64, 128):
                 out.append(dataclasses.replace(default, num_splits=splits, block_k=block_k))
     else:
-        for block_q, block_k, warps, stages in [(32, 64, 8, 2), (32, 64, 8, 3), (32, 128, 8, 2),
-                                                (16, 64, 4, 2), (16, 64, 4, 3), (32, 32, 4, 3),
-                                                (8, 64, 4, 2), (4, 64, 4, 2)]:
-            out.append(dataclasses.replace(default, block_q=block_q, block_k=block_k,
-                                           num_warps=warps, num_stages=stages))
-        for block_q in (4, 8, 16):  # small tiles split over the KV axis: a mixed batch's decodes
-            out.append(dataclasses.replace(default, block_q=block_q, block_k=64, num_splits=2,
-                                           num_warps=4, num_stages=2))
+        short = max(1, 16 // (shape.num_heads // shape.num_kv_heads))  # a 16-row short tile
+        for block_q, with_short, block_k, warps, stages in [
+                (16, False, 64, 4, 3), (16, True, 64, 4, 3), (16, True, 64, 4, 2),
+                (16, True, 128, 4, 3), (32, True, 64, 8, 3), (32, False, 64, 8, 2),
+                (8, True, 64, 4, 3)]:
+            use_short = with_short and short < block_q
+            out.append(dataclasses.replace(
+                default, block_q=block_q, short_block_q=short if use_short else 0,
+                block_k=block_k, num_warps=warps, num_stages=stages))
     return [c for c in dict.fromkeys(out) if c != default]
 
 
 def config_label(c: AttentionConfig) -> str:
-    return f"bq{c.block_q} bk{c.block_k} s{c.num_splits} w{c.num_warps} st{c.num_stages}"
+    return (f"bq{c.block_q} sq{c.short_block_q} bk{c.block_k} s{c.num_splits} w{c.num_warps}"
+            f" st{c.num_stages}")
 
 
 def run_variant(name: str, fn, args, check_fn, w: dict, ceilings: dict, s: Settings) -> dict:

@@ -22,12 +22,12 @@ import pallas_paged as pp
 import torch_ref
 from oracle import oracle_ragged_attention
 from paged_inputs import make_paged, to_numpy, to_torch
-from pallas_paged.ragged_attention.pallas_triton import kv_tile_plan
+from pallas_paged.ragged_attention.pallas_triton import interleave_short_programs, kv_tile_plan
 from test_decode import ATOL, IMPLS
 
-CONFIGS = (  # query tiles of 1, 2, 8 tokens; one and several KV splits
+CONFIGS = (  # query tiles of 1, 2, 8 tokens (and short tiles of 2); one and several KV splits
     pp.AttentionConfig(block_q=2, block_k=16, num_splits=1),
-    pp.AttentionConfig(block_q=8, block_k=16, num_splits=3),
+    pp.AttentionConfig(block_q=8, short_block_q=2, block_k=16, num_splits=3),
     pp.AttentionConfig(block_q=1, block_k=32, num_splits=2),
 )
 
@@ -165,7 +165,7 @@ OPTION_CASES = [("xla", w) for w in ("logits_soft_cap", "alibi_slopes", "sliding
 def test_options_match_torch_ref(rng, impl, which):
     problem = make_ragged(rng, [(9, 30), (0, 4), (1, 6), (4, 17), (12, 12)], pad=2,
                           num_heads=6, num_kv_heads=2, head_dim=32, block_size=5)
-    config = pp.AttentionConfig(block_q=4, block_k=16, num_splits=2)
+    config = pp.AttentionConfig(block_q=4, short_block_q=1, block_k=16, num_splits=2)
     assert_matches(problem, impl, "float32", config=config if impl == "pallas" else None,
                    oracle=which == "all", **options(rng, 6, which))
 
@@ -277,7 +277,8 @@ def test_i8_later_positions_are_never_seen(rng, impl, with_options):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_i9_padding_rows_are_zeros_and_disturb_nothing(rng, impl):
     problem = make_ragged(rng, [(5, 12), (1, 3), (3, 9)], pad=6, block_size=4)
-    config = pp.AttentionConfig(block_q=4, block_k=16) if impl == "pallas" else None
+    config = (pp.AttentionConfig(block_q=4, short_block_q=2, block_k=16) if impl == "pallas"
+              else None)
     out, lse = assert_matches(problem, impl, "float32", config)
     assert (out[-6:] == 0).all() and np.isneginf(lse[-6:]).all()
     problem.q[-6:] = np.nan  # padding rows may hold anything
@@ -523,7 +524,9 @@ def test_option_and_config_errors(rng):
     with pytest.raises(ValueError, match=r"k_scale is required"):
         pp.paged_attention(arrays[0], arrays[1].astype(jnp.float8_e4m3fn),
                            arrays[2].astype(jnp.float8_e4m3fn), *arrays[3:])
-    for bad in (dict(block_q=3), dict(block_k=8), dict(num_splits=0), dict(num_warps=3)):
+    for bad in (dict(block_q=3), dict(block_k=8), dict(num_splits=0), dict(num_warps=3),
+                dict(block_q=4, short_block_q=4), dict(block_q=8, short_block_q=3),
+                dict(short_block_q=-1), dict(short_block_q=True)):
         with pytest.raises(ValueError, match="AttentionConfig"):
             pp.AttentionConfig(**bad)
     with pytest.raises(ValueError, match=r"query_start_loc\[0\]=2 must be 0"):
@@ -559,8 +562,25 @@ def test_heuristic_configs():
     assert spec.block_q == 4 and spec.dot_rows(4) == 16
     prefill = get_heuristic_config(shape(8192, 4), 132)
     assert prefill.dot_rows(4) == 64 and prefill.num_splits == 1 and prefill.num_stages == 3
-    assert prefill.query_tiles(8192, 4) == 8192 // prefill.block_q + 4
+    assert prefill.long_query_tiles(8192, 4) == 8192 // prefill.block_q + 4
     assert decode.query_tiles(32, 32) == 32  # one program per token, none idle
+    # decode rows of a prefill-sized config take 16-row short tiles, from programs of their own
+    assert decode.short_block_q == 0 and spec.short_block_q == 0
+    assert prefill.short_block_q == 4 and prefill.query_tiles(8192, 4) == 8192 // 16 + 4 + 4
+
+
+@pytest.mark.parametrize("long_programs,batch", [(2, 1), (5, 4), (9, 4), (196, 64), (7, 3)])
+def test_short_programs_interleave_as_a_bijection(long_programs, batch):
+    """Every long tile index and every sequence's short tile has exactly one program, and the
+    short programs are spread over the whole query axis."""
+    programs = jnp.arange(long_programs + batch)
+    is_short, index = jax.vmap(functools.partial(
+        interleave_short_programs, long_programs=long_programs, batch=batch))(programs)
+    is_short, index = np.asarray(is_short), np.asarray(index)
+    assert sorted(index[is_short]) == list(range(batch))
+    assert sorted(index[~is_short]) == list(range(long_programs))
+    gaps = np.diff(np.flatnonzero(is_short))
+    assert (gaps == (long_programs + batch) // batch).all()
 
 
 @pytest.mark.gpu

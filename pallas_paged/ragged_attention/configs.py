@@ -29,6 +29,12 @@ class AttentionConfig:
     Attributes:
       block_q: query tokens per program (a power of two >= 1). With the GQA group they share the
         M dimension of the kernel's dots: ``M = max(16, next_power_of_2(block_q * group))`` rows.
+      short_block_q: 0, or a power of two below ``block_q``: sequences with at most this many new
+        tokens (decode steps, speculative steps) then take one tile of ``short_block_q`` tokens
+        (``max(16, short_block_q * group)`` dot rows) from ``batch`` programs of their own, spread
+        evenly among the ``block_q`` programs of the longer sequences. Their dots are not padded
+        to a prefill tile's rows, and their memory-bound programs share the multiprocessors with
+        the compute-bound prefill ones. 0: every sequence takes ``block_q`` tiles.
       block_k: K/V tokens per tile (a power of two >= 16), gathered token by token through the
         block table, so any ``block_size`` works.
       num_splits: KV splits per query tile (split-K, for few query tiles over long contexts);
@@ -38,6 +44,7 @@ class AttentionConfig:
     """
 
     block_q: int = 16
+    short_block_q: int = 0
     block_k: int = 64
     num_splits: int = 1
     num_warps: int = 4
@@ -50,17 +57,22 @@ class AttentionConfig:
                 raise ValueError(f"AttentionConfig.{name}={value!r} must be a positive int")
         if self.block_q & (self.block_q - 1):
             raise ValueError(f"AttentionConfig.block_q={self.block_q} must be a power of two")
+        short = self.short_block_q
+        if (isinstance(short, bool) or not isinstance(short, int) or short < 0
+                or (short and (short & (short - 1) or short >= self.block_q))):
+            raise ValueError(f"AttentionConfig.short_block_q={short!r} must be 0 or a power of"
+                             f" two below block_q={self.block_q}")
         if self.block_k < 16 or self.block_k & (self.block_k - 1):
             raise ValueError(f"AttentionConfig.block_k={self.block_k} must be a power of two >= 16")
         if self.num_warps & (self.num_warps - 1):
             raise ValueError(f"AttentionConfig.num_warps={self.num_warps} must be a power of two")
 
     def dot_rows(self, group: int) -> int:
-        """M of the kernel's dots: ``block_q`` tokens x ``group`` heads, padded."""
-        return max(MIN_DOT_ROWS, next_power_of_2(self.block_q * group))
+        """M of the dots of a ``block_q`` tile: ``block_q`` tokens x ``group`` heads, padded."""
+        return tile_dot_rows(self.block_q, group)
 
-    def query_tiles(self, num_tokens: int, batch: int) -> int:
-        """The static grid's query axis: an upper bound of the tiles of any ``query_start_loc``.
+    def long_query_tiles(self, num_tokens: int, batch: int) -> int:
+        """An upper bound of the ``block_q`` tiles of any ``query_start_loc``.
 
         Sequence ``b`` (and the padding rows, as a sequence ``batch``) takes the programs from
         ``query_start_loc[b] // block_q + b`` on, ``ceil(q_len_b / block_q)`` of them; these
@@ -70,6 +82,18 @@ class AttentionConfig:
         if self.block_q == 1:
             return max(num_tokens, 1)
         return -(-num_tokens // self.block_q) + batch
+
+    def query_tiles(self, num_tokens: int, batch: int) -> int:
+        """The static grid's query axis: the long tiles' bound, plus one short tile per
+        sequence with ``short_block_q``."""
+        short = batch if self.short_block_q else 0
+        return self.long_query_tiles(num_tokens, batch) + short
+
+
+def tile_dot_rows(tile_q: int, group: int) -> int:
+    """M of the kernel's dots for a tile of ``tile_q`` tokens: ``tile_q * group`` rows, padded to
+    a power of two of at least `MIN_DOT_ROWS`."""
+    return max(MIN_DOT_ROWS, next_power_of_2(tile_q * group))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +129,9 @@ def get_heuristic_config(shape: AttentionShape, sm_count: int) -> AttentionConfi
     the H200 these beat 128 rows / 8 warps / 2 stages by 1.07x on a 4 x 2048 prefill, 1.18x on a
     mixed batch and 1.19x on a 2048-token chunk over 32K: docs/BENCHMARKS.md); K/V tiles of 64
     tokens (32 for head_dim > 128), or decode's tile rule when the dots have the minimum 16 rows.
+    Where ``block_q`` tiles have more than the minimum rows, sequences short enough to fill a
+    minimum 16-row tile take short tiles (``short_block_q``): a decode row in a mixed batch then
+    pads a 16-row dot, not a 64-row one.
     """
     itemsize = jnp.dtype(shape.cache_dtype).itemsize
     padded_dim = next_power_of_2(shape.head_dim)
@@ -117,8 +144,10 @@ def get_heuristic_config(shape: AttentionShape, sm_count: int) -> AttentionConfi
     else:
         block_k = 64 if padded_dim <= 128 else 32
     block_k = min(block_k, max(16, next_power_of_2(shape.capacity)))
+    short_block_q = max(1, MIN_DOT_ROWS // next_power_of_2(shape.group))
     return AttentionConfig(
         block_q=block_q,
+        short_block_q=short_block_q if short_block_q < block_q else 0,
         block_k=block_k,
         num_splits=_num_splits(shape, block_q, block_k, sm_count),
         num_warps=8 if padded_dim > 128 else 4,

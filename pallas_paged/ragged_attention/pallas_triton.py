@@ -46,7 +46,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_paged._platform import next_power_of_2
 from pallas_paged.decode_attention.pallas_triton import (_dot_nn, _dot_nt, _merge_splits,
                                                          dot_dtype, query_for_dots, with_sink)
-from pallas_paged.ragged_attention.configs import AttentionConfig
+from pallas_paged.ragged_attention.configs import AttentionConfig, tile_dot_rows
 
 
 def find_query_tile(program, qsl_ref, *, batch: int, num_tokens: int, block_q: int):
@@ -125,6 +125,26 @@ def kv_tile_plan(first_pos, tile_queries, n, split, *, block_k: int, num_splits:
     return key_lo, key_hi, shared_lo, shared_hi, (edge, full, diagonal)
 
 
+def interleave_short_programs(program, *, long_programs: int, batch: int):
+    """Which tile space grid program ``program`` (an int32 scalar) belongs to, and its index there.
+
+    With short tiles on, the query axis holds ``long_programs`` programs of ``block_q`` tiles and
+    ``batch`` programs of one short tile each (program ``j`` of them: sequence ``j``). The short
+    ones are spread evenly: every ``every = (long_programs + batch) // batch``-th program, the
+    last of each run of ``every``, is short, so memory-bound short tiles (decode, speculative
+    steps) run beside compute-bound long ones (prefill chunks) on the same multiprocessors,
+    whatever the order of the sequences. Long program ``i`` is the ``i``-th program that is not
+    short; the mapping is a bijection onto ``[0, long_programs) + [0, batch)``.
+
+    Returns:
+      ``(is_short, index)``: a bool scalar and the program's index in its tile space.
+    """
+    every = (long_programs + batch) // batch  # >= 1: long_programs >= batch + 1
+    run = program // every
+    is_short = (program % every == every - 1) & (run < batch)
+    return is_short, jnp.where(is_short, run, program - jnp.minimum(run, batch))
+
+
 def _ragged_attention_kernel(
     qsl_ref,     # i32[batch + 1]
     lens_ref,    # i32[batch]
@@ -141,10 +161,11 @@ def _ragged_attention_kernel(
     scale: float,
     block_size: int,
     block_q: int,
+    short_block_q: int,
+    long_programs: int,
     block_k: int,
     num_splits: int,
     group: int,
-    dot_rows: int,
     padded_dim: int,
     compute_dtype,
     soft_cap: float | None,
@@ -159,111 +180,140 @@ def _ragged_attention_kernel(
     num_blocks = k_ref.shape[0] // block_size
     capacity = tables_ref.shape[1] * block_size
 
-    # --- which rows: the tile's tokens and their positions ------------------------------------
-    b, tile, first_row, end_row = find_query_tile(program, qsl_ref, batch=batch,
-                                                  num_tokens=num_tokens, block_q=block_q)
-    table_row = jnp.minimum(b, batch - 1)
-    n = jnp.where(b < batch, jnp.clip(lens_ref[table_row], 0, capacity), 0)
-    q_len = end_row - first_row
-    tile_queries = jnp.clip(q_len - tile * block_q, 0, block_q)  # 0 for gap programs
-    first_pos = n - q_len + tile * block_q  # position of the tile's first query
+    def attend(b, tile, first_row, end_row, *, tile_q: int, owned):
+        """Attention of query tile ``tile`` (of ``tile_q`` tokens) of sequence ``b`` (rows
+        ``[first_row, end_row)`` of q), or nothing where ``owned`` is False."""
+        dot_rows = tile_dot_rows(tile_q, group)
+        # --- which rows: the tile's tokens and their positions --------------------------------
+        table_row = jnp.minimum(b, batch - 1)
+        n = jnp.where(b < batch, jnp.clip(lens_ref[table_row], 0, capacity), 0)
+        q_len = end_row - first_row
+        tile_queries = jnp.where(owned, jnp.clip(q_len - tile * tile_q, 0, tile_q), 0)
+        first_pos = n - q_len + tile * tile_q  # position of the tile's first query
 
-    rows = jnp.arange(dot_rows)  # [M]: query (rows // group) of the tile, head (rows % group)
-    query, g = rows // group, rows % group
-    row_real = (rows < block_q * group) & (query < tile_queries)
-    token = first_row + tile * block_q + query  # i32[M]
-    row_pos = first_pos + query  # i32[M], each row's position p
-    head = h * group + g
-    cols = jnp.arange(padded_dim)  # [Dp]
-    col_ok = cols < head_dim
-    # Rows that are not real point one past the end: masked off, so never accessed (interpret
-    # mode drops such out-of-range updates, where a duplicate real index would race).
-    q_row = jnp.where(row_real, token * num_heads + head, q_ref.shape[0])
+        rows = jnp.arange(dot_rows)  # [M]: query (rows // group) of the tile, head (rows % group)
+        query, g = rows // group, rows % group
+        row_real = (rows < tile_q * group) & (query < tile_queries)
+        token = first_row + tile * tile_q + query  # i32[M]
+        row_pos = first_pos + query  # i32[M], each row's position p
+        head = h * group + g
+        cols = jnp.arange(padded_dim)  # [Dp]
+        col_ok = cols < head_dim
+        # Rows that are not real point one past the end: masked off, so never accessed
+        # (interpret mode drops such out-of-range updates, where a duplicate real index would
+        # race).
+        q_row = jnp.where(row_real, token * num_heads + head, q_ref.shape[0])
 
-    # --- which K/V tiles: causal and window skipping ------------------------------------------
-    plan = kv_tile_plan(first_pos, tile_queries, n, split, block_k=block_k,
-                        num_splits=num_splits, window=window)
-    key_lo, key_hi, shared_lo, shared_hi, loops = plan
+        # --- which K/V tiles: causal and window skipping --------------------------------------
+        plan = kv_tile_plan(first_pos, tile_queries, n, split, block_k=block_k,
+                            num_splits=num_splits, window=window)
+        key_lo, key_hi, shared_lo, shared_hi, loops = plan
 
-    # --- the tile's queries ---------------------------------------------------------------------
-    q = plgpu.load(q_ref.at[q_row[:, None], cols[None, :]],
-                   mask=row_real[:, None] & col_ok[None, :], other=0)  # [M, Dp]
-    # The fp8 dequantization scales enter here (scores) and after the loops (values) only.
-    score_scale = scale if scales_ref is None else scales_ref[0] * scale
-    q, score_scale = query_for_dots(q, score_scale, compute_dtype)
-    if alibi_ref is not None:
-        slopes = plgpu.load(alibi_ref.at[head], mask=row_real, other=0)  # f32[M]
-
-    def tile_body(kv_tile, carry, *, masked: bool):
-        acc, m_prev, l_prev = carry  # f32[M, Dp], f32[M], f32[M]
-        pos = kv_tile * block_k + jnp.arange(block_k)  # i32[Tk], logical positions
-        if masked:
-            kv_ok = (pos >= key_lo) & (pos < key_hi)
-            page = jnp.where(kv_ok, pos // block_size, 0)
-            block = plgpu.load(tables_ref.at[table_row, page], mask=kv_ok, other=0)  # i32[Tk]
-            kv_mask = kv_ok[:, None] & col_ok[None, :]
-        else:  # every position of the tile is < n: its table entries are meaningful
-            block = plgpu.load(tables_ref.at[table_row, pos // block_size])  # i32[Tk]
-            kv_mask = None if padded_dim == head_dim else jnp.broadcast_to(
-                col_ok[None, :], (block_k, padded_dim))
-        block = jnp.clip(block, 0, num_blocks - 1)  # a garbage id can never leave the cache
-        slot = block * block_size + pos % block_size  # i32[Tk]
-        fill = None if kv_mask is None else 0.0
-        k = plgpu.load(k_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=fill)  # [Tk, Dp]
-        s = _dot_nt(q, k.astype(compute_dtype)) * score_scale  # f32[M, Tk]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        # --- the tile's queries ---------------------------------------------------------------
+        q = plgpu.load(q_ref.at[q_row[:, None], cols[None, :]],
+                       mask=row_real[:, None] & col_ok[None, :], other=0)  # [M, Dp]
+        # The fp8 dequantization scales enter here (scores) and after the loops (values) only.
+        score_scale = scale if scales_ref is None else scales_ref[0] * scale
+        q, score_scale = query_for_dots(q, score_scale, compute_dtype)
         if alibi_ref is not None:
-            s = s + slopes[:, None] * (pos[None, :] - row_pos[:, None]).astype(jnp.float32)
-        if masked:
-            sees = kv_ok[None, :] & (pos[None, :] <= row_pos[:, None])  # [M, Tk]
-            if window is not None:
-                sees &= pos[None, :] > (row_pos - window)[:, None]
-            s = jnp.where(sees, s, -jnp.inf)
-        m_next = jnp.maximum(m_prev, s.max(axis=1))
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # all -inf so far: keep exp finite
-        alpha = jnp.exp(m_prev - m_safe)  # f32[M]
-        p = jnp.exp(s - m_safe[:, None])  # f32[M, Tk], 0 where a row does not see a position
-        v = plgpu.load(v_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=fill)  # [Tk, Dp]
-        v = v.astype(compute_dtype)
-        if masked:  # a row with weight 0 for a NaN/Inf value row would still get 0 * NaN
-            shared = (pos >= shared_lo) & (pos < shared_hi)
-            finite = jnp.abs(v.astype(jnp.float32)) < jnp.inf  # False for NaN and +-Inf
-            v = jnp.where(shared[:, None] | finite, v, jnp.zeros_like(v))
-        acc = acc * alpha[:, None] + _dot_nn(p.astype(compute_dtype), v)
-        return acc, m_next, l_prev * alpha + p.sum(axis=1)
+            slopes = plgpu.load(alibi_ref.at[head], mask=row_real, other=0)  # f32[M]
 
-    carry = (jnp.zeros((dot_rows, padded_dim), jnp.float32),
-             jnp.full((dot_rows,), -jnp.inf, jnp.float32),
-             jnp.zeros((dot_rows,), jnp.float32))
-    masked_body = functools.partial(tile_body, masked=True)
-    full_body = functools.partial(tile_body, masked=False)
-    for (lo, hi), body in zip(loops, (masked_body, full_body, masked_body)):
-        carry = jax.lax.fori_loop(lo, hi, body, carry)
-    acc, m, l = carry
-    if scales_ref is not None:
-        acc = acc * scales_ref[1]
+        def tile_body(kv_tile, carry, *, masked: bool):
+            acc, m_prev, l_prev = carry  # f32[M, Dp], f32[M], f32[M]
+            pos = kv_tile * block_k + jnp.arange(block_k)  # i32[Tk], logical positions
+            if masked:
+                kv_ok = (pos >= key_lo) & (pos < key_hi)
+                page = jnp.where(kv_ok, pos // block_size, 0)
+                block = plgpu.load(tables_ref.at[table_row, page], mask=kv_ok, other=0)  # i32[Tk]
+                kv_mask = kv_ok[:, None] & col_ok[None, :]
+            else:  # every position of the tile is < n: its table entries are meaningful
+                block = plgpu.load(tables_ref.at[table_row, pos // block_size])  # i32[Tk]
+                kv_mask = None if padded_dim == head_dim else jnp.broadcast_to(
+                    col_ok[None, :], (block_k, padded_dim))
+            block = jnp.clip(block, 0, num_blocks - 1)  # a garbage id can never leave the cache
+            slot = block * block_size + pos % block_size  # i32[Tk]
+            fill = None if kv_mask is None else 0.0
+            k = plgpu.load(k_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=fill)  # [Tk, Dp]
+            s = _dot_nt(q, k.astype(compute_dtype)) * score_scale  # f32[M, Tk]
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            if alibi_ref is not None:
+                s = s + slopes[:, None] * (pos[None, :] - row_pos[:, None]).astype(jnp.float32)
+            if masked:
+                sees = kv_ok[None, :] & (pos[None, :] <= row_pos[:, None])  # [M, Tk]
+                if window is not None:
+                    sees &= pos[None, :] > (row_pos - window)[:, None]
+                s = jnp.where(sees, s, -jnp.inf)
+            m_next = jnp.maximum(m_prev, s.max(axis=1))
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # all -inf so far: keep exp finite
+            alpha = jnp.exp(m_prev - m_safe)  # f32[M]
+            p = jnp.exp(s - m_safe[:, None])  # f32[M, Tk], 0 where a row does not see a position
+            v = plgpu.load(v_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=fill)  # [Tk, Dp]
+            v = v.astype(compute_dtype)
+            if masked:  # a row with weight 0 for a NaN/Inf value row would still get 0 * NaN
+                shared = (pos >= shared_lo) & (pos < shared_hi)
+                finite = jnp.abs(v.astype(jnp.float32)) < jnp.inf  # False for NaN and +-Inf
+                v = jnp.where(shared[:, None] | finite, v, jnp.zeros_like(v))
+            acc = acc * alpha[:, None] + _dot_nn(p.astype(compute_dtype), v)
+            return acc, m_next, l_prev * alpha + p.sum(axis=1)
 
-    out_mask = row_real[:, None] & col_ok[None, :]
-    if num_splits > 1:
-        o_ref, m_ref, l_ref = out_refs
-        split_row = ((token * num_kv_heads + h) * num_splits + split) * group + g
-        split_row = jnp.where(row_real, split_row, m_ref.shape[0])
-        plgpu.store(o_ref.at[split_row[:, None], cols[None, :]], acc, mask=out_mask)
-        plgpu.store(m_ref.at[split_row], m, mask=row_real)
-        plgpu.store(l_ref.at[split_row], l, mask=row_real)
+        carry = (jnp.zeros((dot_rows, padded_dim), jnp.float32),
+                 jnp.full((dot_rows,), -jnp.inf, jnp.float32),
+                 jnp.zeros((dot_rows,), jnp.float32))
+        masked_body = functools.partial(tile_body, masked=True)
+        full_body = functools.partial(tile_body, masked=False)
+        for (lo, hi), body in zip(loops, (masked_body, full_body, masked_body)):
+            carry = jax.lax.fori_loop(lo, hi, body, carry)
+        acc, m, l = carry
+        if scales_ref is not None:
+            acc = acc * scales_ref[1]
+
+        out_mask = row_real[:, None] & col_ok[None, :]
+        if num_splits > 1:
+            o_ref, m_ref, l_ref = out_refs
+            split_row = ((token * num_kv_heads + h) * num_splits + split) * group + g
+            split_row = jnp.where(row_real, split_row, m_ref.shape[0])
+            plgpu.store(o_ref.at[split_row[:, None], cols[None, :]], acc, mask=out_mask)
+            plgpu.store(m_ref.at[split_row], m, mask=row_real)
+            plgpu.store(l_ref.at[split_row], l, mask=row_real)
+            return
+
+        has_keys = row_real & (row_pos >= 0)  # every real row with p >= 0 sees at least p itself
+        if sinks_ref is not None:
+            sink = plgpu.load(sinks_ref.at[head], mask=row_real, other=0)  # f32[M]
+            acc, m, l = with_sink(acc, m, l, sink)
+        o_ref, lse_ref = out_refs
+        ok = has_keys & (l > 0)
+        out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
+        plgpu.store(o_ref.at[q_row[:, None], cols[None, :]], out.astype(o_ref.dtype),
+                    mask=out_mask)
+        lse = jnp.where(has_keys, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
+        plgpu.store(lse_ref.at[q_row], lse, mask=row_real)
+
+    def attend_long(index):
+        b, tile, first_row, end_row = find_query_tile(index, qsl_ref, batch=batch,
+                                                      num_tokens=num_tokens, block_q=block_q)
+        # sequences of at most short_block_q tokens belong to the short programs; the padding
+        # pseudo-sequence (b == batch) always to the long ones
+        owned = (b == batch) | (end_row - first_row > short_block_q)
+        attend(b, tile, first_row, end_row, tile_q=block_q, owned=owned)
+
+    if not short_block_q:
+        attend_long(program)
         return
+    is_short, index = interleave_short_programs(program, long_programs=long_programs,
+                                                batch=batch)
 
-    has_keys = row_real & (row_pos >= 0)  # every real row with p >= 0 sees at least p itself
-    if sinks_ref is not None:
-        sink = plgpu.load(sinks_ref.at[head], mask=row_real, other=0)  # f32[M]
-        acc, m, l = with_sink(acc, m, l, sink)
-    o_ref, lse_ref = out_refs
-    ok = has_keys & (l > 0)
-    out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
-    plgpu.store(o_ref.at[q_row[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=out_mask)
-    lse = jnp.where(has_keys, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
-    plgpu.store(lse_ref.at[q_row], lse, mask=row_real)
+    @pl.when(is_short)
+    def _short():
+        first_row = jnp.clip(qsl_ref[index], 0, num_tokens)
+        end_row = jnp.clip(qsl_ref[index + 1], first_row, num_tokens)
+        attend(index, 0, first_row, end_row, tile_q=short_block_q,
+               owned=end_row - first_row <= short_block_q)
+
+    @pl.when(jnp.logical_not(is_short))
+    def _long():
+        attend_long(index)
 
 
 def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *,
@@ -284,13 +334,14 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, quer
     batch = block_tables.shape[0]
     group = num_heads // kvh
     splits = config.num_splits
-    dot_rows = config.dot_rows(group)
     padded_dim = max(16, next_power_of_2(head_dim))
     kernel = functools.partial(
         _ragged_attention_kernel, scale=scale, block_size=block_size, block_q=config.block_q,
-        block_k=config.block_k, num_splits=splits, group=group, dot_rows=dot_rows,
-        padded_dim=padded_dim, compute_dtype=dot_dtype(q.dtype, k_cache.dtype),
-        soft_cap=logits_soft_cap, window=sliding_window)
+        short_block_q=config.short_block_q,
+        long_programs=config.long_query_tiles(num_tokens, batch), block_k=config.block_k,
+        num_splits=splits, group=group, padded_dim=padded_dim,
+        compute_dtype=dot_dtype(q.dtype, k_cache.dtype), soft_cap=logits_soft_cap,
+        window=sliding_window)
     scales = None if k_scale is None else jnp.stack([k_scale, v_scale]).astype(jnp.float32)
     if splits > 1:
         rows = num_tokens * kvh * splits * group
@@ -300,7 +351,8 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, quer
     else:
         out_shape = (jax.ShapeDtypeStruct((num_tokens * num_heads, head_dim), q.dtype),
                      jax.ShapeDtypeStruct((num_tokens * num_heads,), jnp.float32))
-    name = (f"pallas_paged_ragged_bq{config.block_q}_bk{config.block_k}_s{splits}_g{group}"
+    name = (f"pallas_paged_ragged_bq{config.block_q}_sq{config.short_block_q}_bk{config.block_k}"
+            f"_s{splits}_g{group}"
             f"_d{head_dim}_bs{block_size}")
     outs = pl.pallas_call(
         kernel,
