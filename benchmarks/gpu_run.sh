@@ -6,13 +6,17 @@
 #   4. bench:  python -m benchmarks.bench (every shape, tuned table), JSON and plot
 #   5. ragged: python -m benchmarks.bench_ragged (the ragged shapes against matmul peak and copy)
 #   6. mosaic: python -m benchmarks.bench_mosaic (impl="mosaic" beside impl="pallas")
-#   7. e2e:    python -m examples.generate --bench (tokens/s: pallas, xla, transformers)
+#   7. anatomy: python -m benchmarks.decode_anatomy (where decode's time goes, in pieces)
+#   8. e2e:    python -m examples.generate --bench (tokens/s: pallas, xla, transformers)
 # Each step's log goes to <dir>/<step>.txt; <dir> is the first argument, else $OUT, else
 # ./gpu-run-<UTC time>. The exit status is 1 when any step failed (a WRONG benchmark row counts).
 #
 #   bash benchmarks/gpu_run.sh [DIR]
 #   STEPS="tests parity" bash benchmarks/gpu_run.sh    # a subset; timeouts: TESTS_TIMEOUT etc.
 #   TESTS="tests/test_ragged.py" PARITY_ARGS="-k ragged" BENCH_ARGS="--shapes b1_ctx32768" ...
+#   TEST_SHARDS=4 PARITY_SHARDS=6 ...  # tests and parity in that many processes at once (test
+#                                      # files dealt round-robin; parity --shard i/N): the
+#                                      # machine's cores compile in parallel; logs <step>-<i>.txt
 set -u
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-run-$(date -u +%Y%m%dT%H%M%SZ)}}"
@@ -20,7 +24,7 @@ mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-env tests parity bench ragged mosaic e2e}"
+STEPS="${STEPS:-env tests parity bench ragged mosaic anatomy e2e}"
 TESTS="${TESTS:-tests}"
 PARITY_ARGS="${PARITY_ARGS---full}"  # set but empty: the default suite
 status=0
@@ -41,16 +45,53 @@ step env 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total --f
   $PY -c 'import sys, jax, jaxlib, torch, triton; print(\"python\", sys.version.split()[0],
   \"jax\", jax.__version__, \"jaxlib\", jaxlib.__version__, \"torch\", torch.__version__,
   \"triton\", triton.__version__, jax.devices(), torch.cuda.get_device_name(0))'"
+shards() {  # shards NAME TIMEOUT_S COUNT COMMAND_OF_SHARD: COUNT processes at once, one step
+  local name=$1 limit=$2 count=$3 make=$4 start=$SECONDS rc i pids=()
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+  echo "=== $name: $count processes" | tee "$out/$name.txt"
+  for ((i = 0; i < count; i++)); do
+    # shellcheck disable=SC2046  # the shard's command splits into words on purpose
+    timeout "$limit" $($make "$i" "$count") > "$out/$name-$i.txt" 2>&1 &
+    pids+=($!)
+  done
+  rc=0
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || rc=1
+    echo "--- $name-$i: $(tail -n 1 "$out/$name-$i.txt")" | tee -a "$out/$name.txt"
+  done
+  echo "=== $name: exit $rc after $((SECONDS - start)) s (logs $out/$name-*.txt)"
+  [ "$rc" -eq 0 ] || status=1
+}
+test_shard() {  # the pytest command of shard $1 of $2: every $2-th test file
+  local files i=0 f
+  files=$(for f in $TESTS; do if [ -d "$f" ]; then ls "$f"/test_*.py; else echo "$f"; fi; done)
+  echo "$PY -m pytest -q -p no:cacheprovider -o addopts=-ra"
+  for f in $files; do [ $((i++ % $2)) -eq "$1" ] && echo "$f"; done
+}
+parity_shard() {  # the parity command of shard $1 of $2
+  echo "$PY -m parity --device cuda $PARITY_ARGS --shard $1/$2 --json $out/parity-$1.json"
+}
+
 # shellcheck disable=SC2086  # the *_ARGS and TESTS lists split into words on purpose
-step tests "${TESTS_TIMEOUT:-1800}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra" $TESTS
-step parity "${PARITY_TIMEOUT:-1800}" "$PY" -m parity --device cuda $PARITY_ARGS \
-  --json "$out/parity.json"
+if [ "${TEST_SHARDS:-1}" -gt 1 ]; then
+  shards tests "${TESTS_TIMEOUT:-1800}" "$TEST_SHARDS" test_shard
+else
+  step tests "${TESTS_TIMEOUT:-1800}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra" $TESTS
+fi
+if [ "${PARITY_SHARDS:-1}" -gt 1 ]; then
+  shards parity "${PARITY_TIMEOUT:-1800}" "$PARITY_SHARDS" parity_shard
+else
+  step parity "${PARITY_TIMEOUT:-1800}" "$PY" -m parity --device cuda $PARITY_ARGS \
+    --json "$out/parity.json"
+fi
 step bench "${BENCH_TIMEOUT:-1800}" "$PY" -m benchmarks.bench --json "$out/bench.json" \
   --plot "$out/bench.png" ${BENCH_ARGS:-}
 step ragged "${RAGGED_TIMEOUT:-1800}" "$PY" -m benchmarks.bench_ragged --json "$out/ragged.json" \
   ${RAGGED_ARGS:-}
 step mosaic "${MOSAIC_TIMEOUT:-1800}" "$PY" -m benchmarks.bench_mosaic --json "$out/mosaic.json" \
   ${MOSAIC_ARGS:-}
+step anatomy "${ANATOMY_TIMEOUT:-1800}" "$PY" -m benchmarks.decode_anatomy \
+  --json "$out/anatomy.json" ${ANATOMY_ARGS:-}
 step e2e "${E2E_TIMEOUT:-1800}" env HF_HUB_OFFLINE=1 "$PY" -m examples.generate --bench \
   ${E2E_ARGS:-}
 exit $status

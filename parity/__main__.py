@@ -7,6 +7,8 @@ Examples::
     python -m parity --full --json report.json
     python -m parity --dtype bf16 --impl pallas --seed 7
     python -m parity --list                   # the case names, nothing run
+    python -m parity --full --shard 0/4       # every 4th case from the first (4 processes
+                                              # with 0/4 .. 3/4 cover the suite once)
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the full suite (GPU-sized shapes; far too slow on a CPU)")
     parser.add_argument("-k", action="append", default=None, metavar="SUBSTRING", dest="keyword",
                         help="only cases whose name contains SUBSTRING; repeatable (any matches)")
+    parser.add_argument("--shard", default=None, metavar="I/N", type=parse_shard,
+                        help="only the selected cases i, i + N, i + 2N, ... (0 <= I < N): N"
+                             " processes with I = 0 .. N-1 run the selection once, in parallel")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the JSON report here")
     parser.add_argument("--interpret", action=argparse.BooleanOptionalAction, default=None,
                         help="force Pallas interpret mode on or off (default: on exactly for cpu)")
@@ -54,6 +59,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="print the selected case names and exit")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     return parser.parse_args(argv)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> ``(I, N)`` with ``0 <= I < N``; argparse reports anything else as a usage
+    error."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard {text!r} must be I/N, e.g. 0/4") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"--shard {text!r} needs 0 <= I < N")
+    return index, count
 
 
 def select_cases(cases, *, dtypes=None, keywords=None, seed=None):
@@ -89,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"python -m parity: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.shard is not None:
+        index, count = args.shard
+        selected = selected[index::count]
     if not selected:
         print(f"python -m parity: error: no {suite_name}-suite case matches the filters"
               f" (--dtype {args.dtype}, -k {args.keyword})", file=sys.stderr)

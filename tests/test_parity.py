@@ -593,7 +593,8 @@ def test_slot_minus_one_wrapping_to_the_last_slot_is_caught(monkeypatch, fresh_j
 # The CLI.
 
 @pytest.mark.parametrize("argv", [["--dtype", "float64"], ["-k", "no-such-case"],
-                                  ["--device", "tpu"], ["--impl", "triton"], ["--seed", "x"]])
+                                  ["--device", "tpu"], ["--impl", "triton"], ["--seed", "x"],
+                                  ["--shard", "4/4"], ["--shard", "1"], ["--shard", "-1/2"]])
 def test_cli_usage_errors_exit_2(argv, capsys):
     assert cli.main(argv) == 2
     assert "error" in capsys.readouterr().err
@@ -605,6 +606,17 @@ def test_cli_lists_and_filters_cases(capsys):
     assert names and all("fp8" in n for n in names)
     assert cli.main(["--list", "--full", "-k", "ctx"]) == 0
     assert len(capsys.readouterr().out.split()) == len(cases.FULL_SUITE)
+
+
+def test_cli_shards_partition_the_selection(capsys):
+    assert cli.main(["--list", "--full"]) == 0
+    every = capsys.readouterr().out.split()
+    shards = []
+    for i in range(3):
+        assert cli.main(["--list", "--full", "--shard", f"{i}/3"]) == 0
+        shards.append(capsys.readouterr().out.split())
+    assert sorted(sum(shards, [])) == sorted(every)
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
 
 
 def test_cli_smoke_run_writes_json(tmp_path):

@@ -7,8 +7,9 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
    group padded to the dot's minimum of 16 rows), so every K/V row is read once per group. It walks
    the tiles of its split that lie below ``ceil(n / block_k)`` (and above the sliding-window
    start), gathering each token's row through the block table, with an online softmax in fp32.
-2. `_decode_pallas` builds the grid ``(batch, num_kv_heads, num_splits)``, calls ``pallas_call``
-   and, when the KV axis is split (flash-decoding), merges the partial ``(o, m, l)`` results.
+2. `decode_kernel_call` builds the grid ``(batch, num_kv_heads, num_splits)`` and calls
+   ``pallas_call``; `decode_pallas` then, when the KV axis is split (flash-decoding), merges the
+   partial ``(o, m, l)`` results (`_merge_splits`).
 3. `decode` (in ``api.py``) validates, resolves the scale and the config, and dispatches to this
    kernel or to the plain-XLA path (``xla.py``).
 
@@ -238,17 +239,17 @@ def _merge_splits(o, m, l, n, sinks):
     return out, lse
 
 
-def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, config: DecodeConfig,
-                  interpret: bool, logits_soft_cap, alibi_slopes, sliding_window, sinks, k_scale,
-                  v_scale):
-    """The kernel over the grid ``(batch, num_kv_heads, num_splits)``, then the split merge.
+def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale,
+                       config: DecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
+                       sliding_window, sinks, k_scale, v_scale):
+    """The kernel alone, over the grid ``(batch, num_kv_heads, num_splits)``.
 
-    Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float, lengths and
-    table ids int32; ``k_scale`` / ``v_scale`` ``f32[]`` operands or None, passed to the kernel as
-    one ``f32[2]`` array so that the compiled kernel serves every scale).
+    Arguments as `decode_pallas`.
 
     Returns:
-      ``(out [batch, num_heads, head_dim] in q.dtype, lse f32[batch, num_heads])``.
+      with one split, ``(out [batch, kvh, group, head_dim] in q.dtype, lse f32[batch, kvh,
+      group])``; with several, the partial ``(o f32[batch, kvh, splits, group, head_dim], m, l
+      f32[batch, kvh, splits, group])`` that `_merge_splits` combines.
     """
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, kvh, _ = k_cache.shape
@@ -257,7 +258,6 @@ def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, con
     padded_group = max(MIN_DOT_ROWS, next_power_of_2(group))
     padded_dim = max(16, next_power_of_2(head_dim))
     compute_dtype = dot_dtype(q.dtype, k_cache.dtype)
-    lens = context_lens.astype(jnp.int32)
     per_head = lambda x: None if x is None else x.reshape(kvh, group)  # noqa: E731
     kernel = functools.partial(
         _paged_decode_kernel, scale=scale, block_size=block_size, block_k=config.block_k,
@@ -273,7 +273,7 @@ def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, con
                      jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32))
     name = (f"pallas_paged_decode_bk{config.block_k}_s{splits}_g{group}_d{head_dim}"
             f"_bs{block_size}")
-    outs = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=(batch, kvh, splits),
         out_shape=out_shape,
@@ -281,13 +281,35 @@ def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, con
                                              num_stages=config.num_stages),
         interpret=interpret,
         name=name,
-    )(lens, block_tables.astype(jnp.int32), q.reshape(batch, kvh, group, head_dim),
+    )(context_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
+      q.reshape(batch, kvh, group, head_dim),
       k_cache.reshape(num_blocks * block_size, kvh, head_dim),
       v_cache.reshape(num_blocks * block_size, kvh, head_dim),
       per_head(alibi_slopes), per_head(sinks), scales)
-    if splits > 1:
-        n = jnp.clip(lens, 0, block_tables.shape[1] * block_size)
-        out, lse = _merge_splits(*outs, n, per_head(sinks))
+
+
+def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, config: DecodeConfig,
+                  interpret: bool, logits_soft_cap, alibi_slopes, sliding_window, sinks, k_scale,
+                  v_scale):
+    """`decode_kernel_call`, then the split merge when the KV axis is split (flash-decoding).
+
+    Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float, lengths and
+    table ids int32; ``k_scale`` / ``v_scale`` ``f32[]`` operands or None, passed to the kernel as
+    one ``f32[2]`` array so that the compiled kernel serves every scale).
+
+    Returns:
+      ``(out [batch, num_heads, head_dim] in q.dtype, lse f32[batch, num_heads])``.
+    """
+    batch, num_heads, head_dim = q.shape
+    kvh = k_cache.shape[2]
+    outs = decode_kernel_call(
+        q, k_cache, v_cache, block_tables, context_lens, scale=scale, config=config,
+        interpret=interpret, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    if config.num_splits > 1:
+        n = jnp.clip(context_lens.astype(jnp.int32), 0, block_tables.shape[1] * k_cache.shape[1])
+        per_head = None if sinks is None else sinks.reshape(kvh, num_heads // kvh)
+        out, lse = _merge_splits(*outs, n, per_head)
         out = out.astype(q.dtype)
     else:
         out, lse = outs

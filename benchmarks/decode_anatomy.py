@@ -1,0 +1,260 @@
+"""Where the time of one decode call goes: the Triton kernel's call timed in pieces and against
+stripped-down kernels that read the same bytes, each as a fraction of the same run's copy bandwidth.
+
+Run ``python -m benchmarks.decode_anatomy [--shapes a,b] [--json PATH] [--smoke]`` (default shapes:
+``b1_ctx32768``, ``fp8_b32_ctx4096``, ``b32_ctx4096`` from `benchmarks.shapes`). For each shape:
+
+- ``decode``: `pallas_paged.decode` with the config it picks (the reference time);
+- ``decode, contiguous pages``: the same with the physical blocks of every sequence in order
+  (the page-table gather then reads neighbouring rows): what the random layout costs;
+- ``kernel only`` / ``merge only``: the Pallas kernel without the split merge, and the merge (an
+  XLA fusion) alone on the kernel's partial results: what the second launch costs;
+- ``stream``: a kernel on the same grid that gathers exactly the decode kernel's K/V tiles
+  through the block table and only adds them up (no dots, no softmax): the floor of this access
+  pattern on this device; ``stream, contiguous pages`` likewise;
+- ``empty``: a kernel on the same grid that only stores one value per program: launch and
+  scheduling cost;
+- config variants around the default (splits, tile, warps, stages).
+
+Every decode variant is checked against ``impl="xla"`` before it is timed (`benchmarks.bench.compare`;
+a WRONG row makes the exit status 1). Bytes are the K/V rows read plus q and the output, as in
+`benchmarks.bench`. Inputs that fit a few times in L2 rotate among copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+import pallas_paged as pp
+from benchmarks.bench import ROTATE_BYTES, Settings, compare, smoke_settings
+from benchmarks.timing import describe_error, jsonable, measure, measure_copy_bandwidth
+from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
+from pallas_paged._platform import device_kind, next_power_of_2, sm_count
+from pallas_paged.decode_attention import configs
+from pallas_paged.decode_attention.api import decode_shape
+from pallas_paged.decode_attention.pallas_triton import (_merge_splits, decode_kernel_call,
+                                                         tile_range)
+
+SHAPES = ("b1_ctx32768", "fp8_b32_ctx4096", "b32_ctx4096")
+SMOKE_SHAPES = ("small_b2_ctx64", "small_fp8_b2_ctx64")
+
+
+def config_variants(default: pp.DecodeConfig, fp8: bool) -> list:
+    """A few configs around ``default``: split counts, tiles, warps, stages."""
+    out = []
+    for splits in sorted({max(1, default.num_splits // 2), default.num_splits,
+                          default.num_splits * 2}):
+        for block_k in sorted({default.block_k, 128 if fp8 else 2 * default.block_k}):
+            out.append(dataclasses.replace(default, num_splits=splits, block_k=block_k))
+    for warps, stages in ((8, default.num_stages), (default.num_warps, 3),
+                          (default.num_warps, 4)):
+        out.append(dataclasses.replace(default, num_warps=warps, num_stages=stages))
+    if fp8:
+        out.append(dataclasses.replace(default, block_k=256, num_warps=8))
+    return [c for c in dict.fromkeys(out) if c != default]
+
+
+def _stream_kernel(lens_ref,    # i32[batch]
+                   tables_ref,  # i32[batch, max_blocks]
+                   k_ref,       # [num_slots, num_kv_heads, head_dim]
+                   v_ref,       # [num_slots, num_kv_heads, head_dim]
+                   out_ref,     # f32[batch, kvh, splits, padded_dim]
+                   *, block_size: int, block_k: int, num_splits: int, padded_dim: int,
+                   touch_only: bool):
+    """The decode kernel's K/V traffic without its math: each tile of the program's split is
+    gathered through the block table and summed over tokens (``touch_only``: one store, no
+    reads)."""
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    head_dim = k_ref.shape[2]
+    cols = jnp.arange(padded_dim)
+    col_ok = cols < head_dim
+    if touch_only:
+        plgpu.store(out_ref.at[b, h, split, cols], jnp.zeros((padded_dim,), jnp.float32),
+                    mask=col_ok)
+        return
+    num_blocks = k_ref.shape[0] // block_size
+    n = jnp.clip(lens_ref[b], 0, tables_ref.shape[1] * block_size)
+    _, tile_lo, tile_hi = tile_range(n, split, block_k=block_k, num_splits=num_splits,
+                                     window=None)
+
+    def body(tile, acc):  # acc: f32[Tk, Dp]
+        pos = tile * block_k + jnp.arange(block_k)
+        valid = pos < n
+        block = plgpu.load(tables_ref.at[b, jnp.where(valid, pos // block_size, 0)], mask=valid,
+                           other=0)
+        slot = jnp.clip(block, 0, num_blocks - 1) * block_size + pos % block_size
+        mask = valid[:, None] & col_ok[None, :]
+        k = plgpu.load(k_ref.at[slot[:, None], h, cols[None, :]], mask=mask, other=0.0)
+        v = plgpu.load(v_ref.at[slot[:, None], h, cols[None, :]], mask=mask, other=0.0)
+        return acc + k.astype(jnp.float32) + v.astype(jnp.float32)
+
+    acc = jax.lax.fori_loop(tile_lo, tile_hi, body,
+                            jnp.zeros((block_k, padded_dim), jnp.float32))
+    plgpu.store(out_ref.at[b, h, split, cols], acc.sum(axis=0), mask=col_ok)
+
+
+def stream_call(k_cache, v_cache, block_tables, context_lens, *, config: pp.DecodeConfig,
+                interpret: bool, touch_only: bool = False):
+    """The stripped-down kernel of `_stream_kernel` on decode's grid for ``config``."""
+    num_blocks, block_size, kvh, head_dim = k_cache.shape
+    batch = block_tables.shape[0]
+    padded_dim = max(16, next_power_of_2(head_dim))
+    kernel = functools.partial(_stream_kernel, block_size=block_size, block_k=config.block_k,
+                               num_splits=config.num_splits, padded_dim=padded_dim,
+                               touch_only=touch_only)
+    return pl.pallas_call(
+        kernel, grid=(batch, kvh, config.num_splits),
+        out_shape=jax.ShapeDtypeStruct((batch, kvh, config.num_splits, padded_dim), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret, name="anatomy_stream",
+    )(context_lens, block_tables, k_cache.reshape(num_blocks * block_size, kvh, head_dim),
+      v_cache.reshape(num_blocks * block_size, kvh, head_dim))
+
+
+def contiguous_tables(tables: np.ndarray, block_size: int, lens: np.ndarray) -> np.ndarray:
+    """Each copy's sequences remapped onto the blocks they own, in ascending order: the same set
+    of physical blocks (so the same cache), laid out so that neighbouring pages are neighbours."""
+    out = tables.copy()
+    for c in range(tables.shape[0]):
+        used = [(b, j) for b in range(tables.shape[1])
+                for j in range(-(-int(lens[b]) // block_size))]
+        owned = np.sort(np.array([tables[c, b, j] for b, j in used]))
+        for (b, j), block in zip(used, owned):
+            out[c, b, j] = block
+    return out
+
+
+def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool) -> list:
+    shape = shape_by_name(name)
+    copies = s.copies or rotation_copies(shape, min_bytes=ROTATE_BYTES, max_copies=s.max_copies)
+    inputs = make_decode_inputs(shape, seed=0, copies=copies)
+    scales = {} if inputs.k_scale is None else dict(k_scale=inputs.k_scale,
+                                                   v_scale=inputs.v_scale)
+    tokens = shape.tokens_read(inputs.context_lens_np)
+    nbytes = (tokens * shape.kv_bytes_per_token
+              + 2 * shape.batch * shape.num_heads * shape.head_dim * 2)
+    contiguous = jnp.asarray(contiguous_tables(inputs.block_tables_np, shape.block_size,
+                                               inputs.context_lens_np))
+    lens = inputs.context_lens
+    kc, vc = inputs.k_cache, inputs.v_cache
+    default = configs.lookup(decode_shape(inputs.q[0], kc, inputs.block_tables[0]),
+                             device_kind(), sm_count())
+    references = {}  # id(tables) -> impl="xla" on copy 0
+
+    def reference(tables):
+        if id(tables) not in references:
+            references[id(tables)] = jax.block_until_ready(
+                pp.decode(inputs.q[0], kc, vc, tables[0], lens, impl="xla", **scales))
+        return references[id(tables)]
+    scale = 1.0 / float(np.sqrt(shape.head_dim))
+    qs_all, tables_all = inputs.q, inputs.block_tables
+    reps = copies * max(1, -(-s.loop_ops // copies))
+    rows = []
+
+    def timed(label, fn, tables_of=tables_all, shared=(), check=False, config=None):
+        """Time ``fn(q, table, *shared)`` as `benchmarks.bench` does in loop mode: ``reps``
+        calls in one on-device loop, call ``i`` on copy ``i % copies``; the first call's output
+        is checked against the reference when ``check``."""
+        row = {"shape": name, "variant": label, "config": None if config is None else
+               dataclasses.asdict(config)}
+        try:
+            out_struct = jax.eval_shape(fn, qs_all[0], tables_of[0], *shared)
+
+            def run(qs, ts, *args):
+                def body(i, out):
+                    del out
+                    j = i % copies
+                    return fn(qs[j], ts[j], *args)
+                return jax.lax.fori_loop(0, reps, body, jnp.zeros(out_struct.shape,
+                                                                  out_struct.dtype))
+
+            compiled = jax.jit(run)
+            if check:
+                err = compare(jax.jit(fn)(qs_all[0], tables_of[0], *shared), reference(tables_of))
+                row["rel_err"] = err["rel_err"]
+                if not err["correct"]:
+                    row["status"] = "WRONG"
+                    rows.append(row)
+                    print(f"  {label:44s} WRONG rel_err={err['rel_err']:.2e}", flush=True)
+                    return
+            jax.block_until_ready(compiled(qs_all, tables_of, *shared))
+            timing = measure(lambda: compiled(qs_all, tables_of, *shared), reps, s)
+            row.update(status="ok", median_us=timing.median_us,
+                       of_copy=nbytes / (timing.median_us * 1e-6) / 1e12 / copy_tbps)
+            print(f"  {label:44s} {timing.median_us:9.1f} us  {row['of_copy']:.3f} of copy",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            row.update(status="error", error=describe_error(e))
+            print(f"  {label:44s} error: {row['error']}", flush=True)
+        rows.append(row)
+
+    def decode_fn(config):
+        return lambda q, t: pp.decode(q, kc, vc, t, lens, config=config, interpret=interpret,
+                                      **scales)
+
+
+    kernel_kwargs = dict(scale=scale, interpret=interpret, logits_soft_cap=None,
+                         alibi_slopes=None, sliding_window=None, sinks=None,
+                         k_scale=None if not scales else jnp.float32(inputs.k_scale),
+                         v_scale=None if not scales else jnp.float32(inputs.v_scale))
+    print(f"[{name}] {shape.describe()}: {nbytes / 1e6:.1f} MB, {copies} copies,"
+          f" default {default}", flush=True)
+    timed("decode", decode_fn(default), check=True, config=default)
+    timed("decode, contiguous pages", decode_fn(default), tables_of=contiguous, check=True,
+          config=default)
+    timed("loop overhead (slices only)",
+          lambda q, t: q.astype(jnp.float32) + t[:, :1, None].astype(jnp.float32))
+    if default.num_splits > 1:
+        kernel = functools.partial(decode_kernel_call, config=default, **kernel_kwargs)
+        timed("kernel only (no merge)", lambda q, t: kernel(q, kc, vc, t, lens)[0],
+              config=default)
+        partials = jax.jit(lambda q, t: kernel(q, kc, vc, t, lens))(qs_all[0], tables_all[0])
+        n = jnp.asarray(inputs.context_lens_np, jnp.int32)
+        timed("merge only", lambda q, t, o, m, l: _merge_splits(o, m, l, n, None)[0],
+              shared=partials)
+    stream = functools.partial(stream_call, config=default, interpret=interpret)
+    timed("stream (same tiles, no math)", lambda q, t: stream(kc, vc, t, lens))
+    timed("stream, contiguous pages", lambda q, t: stream(kc, vc, t, lens), tables_of=contiguous)
+    timed("empty (launch only)", lambda q, t: stream(kc, vc, t, lens, touch_only=True))
+    for config in config_variants(default, shape.is_fp8):
+        label = (f"decode bk{config.block_k} s{config.num_splits} w{config.num_warps}"
+                 f" st{config.num_stages}")
+        timed(label, decode_fn(config), check=True, config=config)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default=None, help="comma-separated names")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes in interpret mode (the plumbing, not the speed)")
+    args = parser.parse_args(argv)
+    s = smoke_settings(Settings()) if args.smoke else Settings()
+    names = args.shapes.split(",") if args.shapes else (SMOKE_SHAPES if args.smoke else SHAPES)
+    interpret = args.smoke or jax.devices()[0].platform != "gpu"
+    copy = measure_copy_bandwidth(1 << 30 if not args.smoke else 1 << 20, s)
+    print(f"copy bandwidth {copy['tbps']:.3f} TB/s ({copy['source']})", flush=True)
+    rows = []
+    for name in names:
+        rows += run_shape(name, s, copy["tbps"], interpret)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(jsonable({"device": jax.devices()[0].device_kind, "copy": copy,
+                                "jax": jax.__version__, "rows": rows}), f, indent=1)
+    return 1 if any(r.get("status") == "WRONG" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
