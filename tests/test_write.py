@@ -1,30 +1,49 @@
-"""`pallas_paged.write_kv` (both impls): bit-exact against `torch_ref.write_kv`, I1, jit, donation."""
+"""`pallas_paged.write_kv` (both impls): bit-exact against `torch_ref.write_kv`, I1, jit, donation.
+
+fp8 caches: every token dtype and scale form, rounding ties, NaN / inf / saturation, the
+quantization inside the Pallas kernel (no token-sized XLA division, exact GPU arithmetic) and one
+compiled program for every scale.
+"""
 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 import pallas_paged as pp
 import torch_ref
+from pallas_paged._platform import quiet_triton_deprecation, resolve_interpret
+from pallas_paged.cache_write.api import _write_kv_jit
 from paged_inputs import NP_DTYPES, bits, to_torch
 
 IMPLS = ("xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+FP8_TOKEN_DTYPES = ("float32", "bfloat16", "float16")  # what an fp8 cache takes
+# (cache dtype, token dtype): every dtype's own tokens, and every token dtype into an fp8 cache.
+WRITE_DTYPES = [(d, d) for d in DTYPES[:3]] + [("float8_e4m3fn", t) for t in FP8_TOKEN_DTYPES]
+SCALE_KINDS = ("python float", "f32[]", "f32[1]")
 
 
 def draw_write(rng, *, num_blocks=6, block_size=4, kvh=2, head_dim=32, num_tokens=9,
-               num_padding=3, dtype="float32"):
-    """A cache full of random values, and tokens for distinct random slots, some of them -1."""
+               num_padding=3, dtype="float32", token_dtype=None):
+    """A cache full of random values, and tokens for distinct random slots, some of them -1.
+
+    The tokens are in ``token_dtype``, by default the cache dtype, and bf16 for fp8 caches: few
+    mantissa bits, so x / scale often lands exactly on a tie.
+    """
     shape = (num_blocks, block_size, kvh, head_dim)
     cache_dtype = NP_DTYPES[dtype]
-    # fp8 caches take bf16 tokens: few mantissa bits, so x / scale often lands exactly on a tie.
-    new_dtype = NP_DTYPES["bfloat16"] if dtype == "float8_e4m3fn" else cache_dtype
+    if token_dtype is None:
+        token_dtype = "bfloat16" if dtype == "float8_e4m3fn" else dtype
+    new_dtype = NP_DTYPES[token_dtype]
     k_cache = rng.standard_normal(shape).astype(cache_dtype)
     v_cache = rng.standard_normal(shape).astype(cache_dtype)
     slots = rng.choice(num_blocks * block_size, num_tokens, replace=False).astype(np.int32)
@@ -40,6 +59,37 @@ def fp8_scales(dtype):
     return dict(k_scale=0.03, v_scale=0.3) if dtype == "float8_e4m3fn" else {}
 
 
+def scale_args(value: float, kind: str):
+    """One scale for `pp.write_kv` and the same for `torch_ref.write_kv`, as ``kind`` says."""
+    if kind == "python float":
+        return value, value
+    shape = () if kind == "f32[]" else (1,)
+    scale = np.full(shape, value, np.float32)
+    return jnp.asarray(scale), torch.from_numpy(scale)
+
+
+def fp8_edge_values(scale: float, dtype) -> np.ndarray:
+    """Tokens of ``dtype`` whose fp32 quotient by ``scale`` probes every fp8 rounding decision.
+
+    For every tie (the midpoint of two neighbouring finite float8_e4m3fn values, both signs, the
+    subnormals' included) and for 448, 464 (midway to the missing next binade value) and 500:
+    ``tie * scale`` rounded to ``dtype`` and its two neighbours in ``dtype``, so that ``x / scale``
+    lands on, just below or just above the tie. Then NaN, +-inf, +-0 and +-1e4 (far past
+    ``448 * scale``).
+    """
+    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    finite = np.unique(codes[np.isfinite(codes)])
+    ties = (finite[1:] + finite[:-1]) / 2
+    targets = np.concatenate([ties, [448.0, 464.0, 500.0, -464.0, -500.0]])
+    near = (targets * np.float64(np.float32(scale))).astype(dtype)
+    uint = {2: np.uint16, 4: np.uint32}[np.dtype(dtype).itemsize]
+    raw = near.view(uint)
+    near = np.concatenate([raw, raw + 1, raw - 1]).view(dtype)
+    near = near[np.isfinite(near.astype(np.float32))]
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e4, -1e4], np.float32).astype(dtype)
+    return np.concatenate([near, specials])
+
+
 def write_torch(k_cache, v_cache, k, v, slots, **scales):
     kc, vc = to_torch(k_cache.copy()), to_torch(v_cache.copy())
     torch_ref.write_kv(kc, vc, to_torch(k), to_torch(v), torch.from_numpy(slots), **scales)
@@ -47,10 +97,10 @@ def write_torch(k_cache, v_cache, k, v, slots, **scales):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_bit_exact_against_torch_ref(rng, impl, dtype):
+@pytest.mark.parametrize("dtype,token_dtype", WRITE_DTYPES)
+def test_bit_exact_against_torch_ref(rng, impl, dtype, token_dtype):
     k_cache, v_cache, k, v, slots = draw_write(rng, num_blocks=16, num_tokens=60, num_padding=5,
-                                               dtype=dtype)
+                                               dtype=dtype, token_dtype=token_dtype)
     scales = fp8_scales(dtype)
     expected_k, expected_v = write_torch(k_cache, v_cache, k, v, slots, **scales)
     got_k, got_v = pp.write_kv(*map(jnp.asarray, (k_cache, v_cache, k, v, slots)), impl=impl,
@@ -60,13 +110,140 @@ def test_bit_exact_against_torch_ref(rng, impl, dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_fp8_saturates_and_keeps_nan(impl):
+@pytest.mark.parametrize("token_dtype", FP8_TOKEN_DTYPES)
+def test_fp8_saturates_and_keeps_nan(impl, token_dtype):
+    """Past +-448 and +-inf saturate to +-448 (the cast alone would make them NaN); NaN stays NaN
+    (a max/min clamp that drops NaN, as Triton's maxnumf does, would make it -448 or 448)."""
     cache = jnp.zeros((1, 4, 1, 16), jnp.float8_e4m3fn)
-    k = jnp.array([1e6, -1e6, 448 * 0.5, np.nan] * 4, jnp.float32).reshape(1, 1, 16)
+    values = [1e4, -1e4, 448 * 0.5, np.nan, np.inf, -np.inf, 470 * 0.5, -0.0]
+    k = jnp.array(values * 2, NP_DTYPES[token_dtype]).reshape(1, 1, 16)
     got, _ = pp.write_kv(cache, cache, k, k, jnp.array([2], jnp.int32), k_scale=0.5, v_scale=0.5,
                          impl=impl)
-    row = np.asarray(got[0, 2, 0, :4].astype(jnp.float32))
-    assert row[0] == 448 and row[1] == -448 and row[2] == 448 and np.isnan(row[3])
+    row = np.asarray(got[0, 2, 0, :8].astype(jnp.float32))
+    np.testing.assert_array_equal(row, [448, -448, 448, np.nan, 448, -448, 448, 0])
+    assert np.signbit(row[7])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("token_dtype", FP8_TOKEN_DTYPES)
+@pytest.mark.parametrize("scale_kind", SCALE_KINDS)
+def test_fp8_rounding_ties_bit_exact(rng, impl, token_dtype, scale_kind):
+    """Tokens on, just below and just above every fp8 rounding tie of ``x / scale`` (and NaN, inf,
+    zeros, saturation) store torch's bits: x * (1 / scale) or a cast that does not round to
+    nearest even would differ somewhere, and so would, on a GPU, a clamp that drops NaN."""
+    dtype = NP_DTYPES[token_dtype]
+    k_cache, v_cache, k, v, slots = draw_write(rng, num_blocks=16, num_tokens=24, num_padding=3,
+                                               dtype="float8_e4m3fn", token_dtype=token_dtype)
+    k_scale, v_scale = 0.03, 1.7
+    k = np.resize(rng.permutation(fp8_edge_values(k_scale, dtype)), k.shape)
+    v = np.resize(rng.permutation(fp8_edge_values(v_scale, dtype)), v.shape)
+    (jax_k_scale, torch_k_scale), (jax_v_scale, torch_v_scale) = (
+        scale_args(k_scale, scale_kind), scale_args(v_scale, scale_kind))
+    expected_k, expected_v = write_torch(k_cache, v_cache, k, v, slots, k_scale=torch_k_scale,
+                                         v_scale=torch_v_scale)
+    got_k, got_v = pp.write_kv(*map(jnp.asarray, (k_cache, v_cache, k, v, slots)),
+                               k_scale=jax_k_scale, v_scale=jax_v_scale, impl=impl)
+    np.testing.assert_array_equal(bits(got_k), bits(expected_k))
+    np.testing.assert_array_equal(bits(got_v), bits(expected_v))
+
+
+def _equations(jaxpr, *, enter_kernels: bool):
+    """The equations of ``jaxpr`` and of the jaxprs nested in it; a ``pallas_call``'s kernel is
+    entered only with ``enter_kernels``."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name == "pallas_call" and not enter_kernels:
+            continue
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)  # a closed jaxpr's own, or a jaxpr
+                if hasattr(sub, "eqns"):
+                    yield from _equations(sub, enter_kernels=enter_kernels)
+
+
+def _primitives(jaxpr, *, enter_kernels: bool) -> set[str]:
+    return {eqn.primitive.name for eqn in _equations(jaxpr, enter_kernels=enter_kernels)}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp8_pallas_quantizes_inside_the_kernel(rng, impl):
+    """Under jax.jit the pallas fp8 write divides only inside its kernel (tile-sized), never in
+    XLA over the tokens: no ``div`` outside the ``pallas_call`` in the jaxpr, no ``divide`` of the
+    tokens' shape in the HLO. ``impl="xla"`` quantizes in XLA and shows both, so the checks see
+    what they look for."""
+    num_tokens, kvh, d = 37, 2, 32
+    k_cache, v_cache, k, v, slots = draw_write(rng, num_blocks=16, kvh=kvh, head_dim=d,
+                                               num_tokens=num_tokens, dtype="float8_e4m3fn")
+    args = tuple(map(jnp.asarray, (k_cache, v_cache, k, v, slots)))
+    write = functools.partial(pp.write_kv, impl=impl)
+    scales = dict(k_scale=0.03, v_scale=0.3)
+    jaxpr = jax.make_jaxpr(write)(*args, **scales).jaxpr
+    outside = _primitives(jaxpr, enter_kernels=False)
+    hlo = jax.jit(write).lower(*args, **scales).as_text()
+    token_divides = re.findall(
+        rf"stablehlo\.divide[^\n]*tensor<{num_tokens}x({kvh}x{d}|{kvh * d})x", hlo)
+    if impl == "xla":
+        assert "div" in outside and token_divides
+        return
+    assert "div" not in outside and "optimization_barrier" not in outside, sorted(outside)
+    assert not token_divides, token_divides
+    # The kernel divides: with XLA's div in interpret mode, with PTX div.rn.f32 on a GPU.
+    division = "div" if resolve_interpret(None) else "elementwise_inline_asm"
+    [kernel] = [eqn.params["jaxpr"] for eqn in _equations(jaxpr, enter_kernels=False)
+                if eqn.primitive.name == "pallas_call"]
+    assert division in _primitives(kernel, enter_kernels=True)
+
+
+@pytest.mark.parametrize("token_dtype", FP8_TOKEN_DTYPES)
+def test_fp8_pallas_lowers_to_exact_gpu_arithmetic(token_dtype):
+    """Lowered for CUDA (works without a GPU): the fp8 kernel divides with PTX ``div.rn.f32``,
+    never with Triton's ``/`` (``arith.divf``, approximate on the GPU); it clamps with selects,
+    never with ``maxnumf`` / ``minnumf`` (which turn NaN into +-448); it casts with ``fp_to_fp``;
+    and XLA divides nothing. The Triton module travels as MLIR bytecode, whose string table
+    holds the op names and the inline assembly verbatim. A bf16 cache's kernel is a plain copy."""
+    cache = jax.ShapeDtypeStruct((16, 4, 2, 32), jnp.float8_e4m3fn)
+    tokens = jax.ShapeDtypeStruct((37, 2, 32), NP_DTYPES[token_dtype])
+    slots = jax.ShapeDtypeStruct((37,), jnp.int32)
+    scale = jax.ShapeDtypeStruct((), jnp.float32)
+    fn = functools.partial(pp.write_kv, impl="pallas", interpret=False)
+    # Without a GPU, jax >= 0.12's Triton lowering asks for an abstract GPU to lower for.
+    gpu = AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
+    with quiet_triton_deprecation(), use_abstract_mesh(AbstractMesh((1,), ("x",),
+                                                                     abstract_device=gpu)):
+        text = jax.jit(fn).trace(cache, cache, tokens, tokens, slots, k_scale=scale,
+                                 v_scale=scale).lower(lowering_platforms=("cuda",)).as_text()
+        plain = jax.jit(fn).trace(*(jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+                                    for x in (cache, cache, tokens, tokens)),
+                                  slots).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "pallas_paged_write_kv" in text
+    assert "div.rn.f32" in text and "fp_to_fp" in text
+    for banned in ("divf", "maxnumf", "minnumf", "stablehlo.divide"):
+        assert banned not in text, banned
+    assert "pallas_paged_write_kv" in plain
+    assert "div.rn.f32" not in plain and "fp_to_fp" not in plain
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp8_one_program_for_every_scale(rng, impl):
+    """The scales are operands: one compiled program (ahead of time, with f32[] scales) writes
+    with two scale pairs, each bit-identical to torch; and eager calls with two python-float
+    scale pairs compile `write_kv`'s program once."""
+    k_cache, v_cache, k, v, slots = draw_write(rng, dtype="float8_e4m3fn")
+    args = tuple(map(jnp.asarray, (k_cache, v_cache, k, v, slots)))
+    pairs = ((0.03, 0.3), (0.07, 1.7))
+    write = jax.jit(functools.partial(pp.write_kv, impl=impl))
+    compiled = write.lower(*args, k_scale=jnp.float32(1), v_scale=jnp.float32(1)).compile()
+    for k_scale, v_scale in pairs:
+        got_k, got_v = compiled(*args, k_scale=jnp.float32(k_scale), v_scale=jnp.float32(v_scale))
+        expected_k, expected_v = write_torch(k_cache, v_cache, k, v, slots, k_scale=k_scale,
+                                             v_scale=v_scale)
+        np.testing.assert_array_equal(bits(got_k), bits(expected_k))
+        np.testing.assert_array_equal(bits(got_v), bits(expected_v))
+    sizes = []
+    for k_scale, v_scale in pairs:
+        pp.write_kv(*args, k_scale=k_scale, v_scale=v_scale, impl=impl)
+        sizes.append(_write_kv_jit._cache_size())
+    assert sizes[1] == sizes[0]
 
 
 @pytest.mark.parametrize("impl", IMPLS)

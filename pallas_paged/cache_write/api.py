@@ -1,7 +1,8 @@
 """Writing new tokens' K/V into the paged cache: a masked scatter, the public function.
 
 Two implementations of one function, bit-identical to `torch_ref.write_kv`: ``impl="xla"``
-(``xla.py``, a scatter) and ``impl="pallas"`` (``pallas_triton.py``, a row-copy kernel). `write_kv` is a plain function that
+(``xla.py``, a scatter) and ``impl="pallas"`` (``pallas_triton.py``, a row-copy kernel that also
+quantizes for fp8 caches). `write_kv` is a plain function that
 validates, then calls one jitted program (``_write_kv_jit``); under
 ``jax.jit(write_kv, donate_argnums=(0, 1), static_argnames=("impl", "interpret"))`` both impls
 update the donated caches in place.
@@ -56,7 +57,8 @@ def write_kv(
       k_scale, v_scale: python floats or ``f32[]`` arrays (shape ``(1,)`` accepted; traced under
         jit: one compiled program for every value), required for float8_e4m3fn caches and refused
         otherwise.
-      impl: ``"xla"`` (a scatter) or ``"pallas"`` (a row-copy kernel); None picks ``"pallas"`` on a
+      impl: ``"xla"`` (a scatter) or ``"pallas"`` (a row-copy kernel, which also does the fp8
+        quantization, so that no token-sized temporary is built); None picks ``"pallas"`` on a
         GPU and ``"xla"`` elsewhere (and for fp8 caches of 2**31 to 2**32 elements, which the
         kernel cannot address).
       interpret: run the Pallas kernel in interpret mode; None means exactly when JAX has no GPU.
@@ -93,11 +95,15 @@ def write_kv(
 @functools.partial(jax.jit, static_argnames=("impl", "interpret"))
 def _write_kv_jit(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, *, impl: str,
                   interpret: bool):
-    """`write_kv` after validation: ``k_scale`` / ``v_scale`` are ``f32[]`` or None."""
+    """`write_kv` after validation: ``k_scale`` / ``v_scale`` are ``f32[]`` or None.
+
+    For fp8 caches ``impl="xla"`` quantizes the tokens (`quantize_fp8`) before its scatter, while
+    ``impl="pallas"`` hands the kernel the scales as one ``f32[2]`` operand and the kernel
+    quantizes the rows it loads: no token-sized temporary exists outside it.
+    """
     num_blocks, block_size, kvh, d = k_cache.shape
     num_slots = num_blocks * block_size
-    if k_cache.dtype == jnp.float8_e4m3fn:
-        k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
+    fp8 = k_cache.dtype == jnp.float8_e4m3fn
     slots = _validation.clamp_index(slot_mapping, -1, num_slots)
     num_tokens = slots.shape[0]
     if num_tokens == 0:
@@ -106,7 +112,11 @@ def _write_kv_jit(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, *, imp
     k_flat, v_flat = k_cache.reshape(flat_shape), v_cache.reshape(flat_shape)
     k_rows, v_rows = k.reshape(num_tokens, kvh * d), v.reshape(num_tokens, kvh * d)
     if impl == "xla":
+        if fp8:
+            k_rows, v_rows = quantize_fp8(k_rows, k_scale), quantize_fp8(v_rows, v_scale)
         k_flat, v_flat = write_xla(k_flat, v_flat, k_rows, v_rows, slots)
     else:
-        k_flat, v_flat = write_pallas(k_flat, v_flat, k_rows, v_rows, slots, interpret=interpret)
+        scales = jnp.stack([k_scale, v_scale]).astype(jnp.float32) if fp8 else None  # f32[2]
+        k_flat, v_flat = write_pallas(k_flat, v_flat, k_rows, v_rows, slots, scales=scales,
+                                      interpret=interpret)
     return k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape)

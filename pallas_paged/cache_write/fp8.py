@@ -1,5 +1,6 @@
 """fp8 caches: per-tensor scales as fp32 operands, and the quantization bit-identical to
-`torch_ref.write_kv`."""
+`torch_ref.write_kv` in XLA (``impl="xla"``; the Pallas kernel quantizes the rows it loads itself,
+``pallas_triton.py``, with the same arithmetic)."""
 
 from __future__ import annotations
 

@@ -2,6 +2,11 @@
 
 Each program copies a few tokens' rows (a chunk of each) to their slots with masked stores, aliasing
 the cache buffers (``input_output_aliases``) so the untouched part of the cache is never copied.
+
+For float8_e4m3fn caches the program quantizes the rows it has loaded before storing them:
+``clamp(x / scale, -448, 448)`` rounded to nearest even, bit-identical to `torch_ref.write_kv`. The
+scales are an ``f32[2]`` operand (one compiled program serves every scale) and nothing of the
+tokens' or the cache's size is built outside the kernel.
 """
 
 from __future__ import annotations
@@ -14,21 +19,59 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_paged._platform import next_power_of_2
+from pallas_paged.cache_write.fp8 import FP8_MAX
 
 
-def _write_rows_kernel(
-    slots_ref,    # i32[num_tokens]
-    k_ref,        # [num_tokens, row]          row = num_kv_heads * head_dim
-    v_ref,        # [num_tokens, row]
-    k_cache_in,   # [num_slots, row]           aliased to k_cache_ref
-    v_cache_in,   # [num_slots, row]           aliased to v_cache_ref
-    k_cache_ref,  # [num_slots, row]
-    v_cache_ref,  # [num_slots, row]
-    *,
-    tokens_per_program: int,
-    row_chunk: int,
-):
-    del k_cache_in, v_cache_in  # the same buffers as the outputs
+def _divide_rn(x, scale, *, interpret: bool):
+    """``x / scale``, one correctly rounded IEEE fp32 division per element (as torch divides).
+
+    Args:
+      x: ``f32[Tw, C]``, a tile of loaded rows.
+      scale: ``f32[]``.
+      interpret: whether the kernel runs in interpret mode (static).
+
+    Triton lowers ``/`` to the approximate ``div.full.f32``, so the GPU divides with PTX
+    ``div.rn.f32`` through inline assembly. Interpret mode cannot lower inline assembly: there the
+    body runs as XLA, which rewrites ``x / broadcast(s)`` into ``x * broadcast(1 / s)`` (rounded
+    differently), so the divisor is the tile-sized broadcast behind an optimization barrier, which
+    XLA cannot see through.
+    """
+    divisor = jnp.full(x.shape, scale, jnp.float32)  # [Tw, C]
+    if interpret:
+        return x / jax.lax.optimization_barrier(divisor)
+    [quotient] = plgpu.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;",
+        args=[x, divisor],
+        constraints="=f,f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+    )
+    return quotient
+
+
+def _quantize_fp8(rows, scale, *, interpret: bool):
+    """``clamp(rows / scale, -448, 448)`` in fp32, cast to float8_e4m3fn (round to nearest even).
+
+    Args:
+      rows: ``[Tw, C]``, float32 / bfloat16 / float16.
+      scale: ``f32[]``.
+      interpret: whether the kernel runs in interpret mode (static).
+
+    NaN stays NaN and +-inf become +-448. The clamp is two selects, not ``jnp.clip``: Triton lowers
+    ``maximum`` / ``minimum`` to ``maxnumf`` / ``minnumf``, which would turn NaN into -448, while a
+    comparison with NaN is false and leaves it as it is. The cast rounds to nearest even
+    (``cvt.rn.satfinite`` on the GPU).
+    """
+    scaled = _divide_rn(rows.astype(jnp.float32), scale, interpret=interpret)  # [Tw, C]
+    scaled = jnp.where(scaled > FP8_MAX, FP8_MAX, scaled)
+    scaled = jnp.where(scaled < -FP8_MAX, -FP8_MAX, scaled)
+    return scaled.astype(jnp.float8_e4m3fn)
+
+
+def _write_rows(slots_ref, scales_ref, k_ref, v_ref, k_cache_ref, v_cache_ref, *,
+                tokens_per_program: int, row_chunk: int, interpret: bool):
+    """The body of both kernels: load a ``[Tw, C]`` tile of each of k and v, quantize it when
+    ``scales_ref`` is given, store it at the tokens' slots (masked)."""
     num_tokens, row = k_ref.shape
     num_slots = k_cache_ref.shape[0]
     tokens = pl.program_id(0) * tokens_per_program + jnp.arange(tokens_per_program)  # [Tw]
@@ -41,14 +84,60 @@ def _write_rows_kernel(
     safe_tokens = jnp.where(in_batch, tokens, 0)
     cols = pl.program_id(1) * row_chunk + jnp.arange(row_chunk)  # [C]
     mask = keep[:, None] & (cols < row)[None, :]
-    for src, dst in ((k_ref, k_cache_ref), (v_ref, v_cache_ref)):
+    for i, (src, dst) in enumerate(((k_ref, k_cache_ref), (v_ref, v_cache_ref))):
         rows = plgpu.load(src.at[safe_tokens[:, None], cols[None, :]], mask=mask)  # [Tw, C]
+        if scales_ref is not None:
+            rows = _quantize_fp8(rows, scales_ref[i], interpret=interpret)
         plgpu.store(dst.at[safe_slots[:, None], cols[None, :]], rows, mask=mask)
 
 
-def write_pallas(k_flat, v_flat, k_rows, v_rows, slots, *, interpret: bool,
+def _write_rows_kernel(
+    slots_ref,    # i32[num_tokens]
+    k_ref,        # [num_tokens, row]          row = num_kv_heads * head_dim, the cache dtype
+    v_ref,        # [num_tokens, row]
+    k_cache_in,   # [num_slots, row]           aliased to k_cache_ref
+    v_cache_in,   # [num_slots, row]           aliased to v_cache_ref
+    k_cache_ref,  # [num_slots, row]
+    v_cache_ref,  # [num_slots, row]
+    *,
+    tokens_per_program: int,
+    row_chunk: int,
+):
+    """Caches of the tokens' dtype: the rows are stored as loaded."""
+    del k_cache_in, v_cache_in  # the same buffers as the outputs
+    _write_rows(slots_ref, None, k_ref, v_ref, k_cache_ref, v_cache_ref,
+                tokens_per_program=tokens_per_program, row_chunk=row_chunk, interpret=False)
+
+
+def _write_rows_fp8_kernel(
+    slots_ref,    # i32[num_tokens]
+    scales_ref,   # f32[2]                     (k_scale, v_scale)
+    k_ref,        # [num_tokens, row]          row = num_kv_heads * head_dim; f32 / bf16 / f16
+    v_ref,        # [num_tokens, row]          f32 / bf16 / f16
+    k_cache_in,   # f8e4m3fn[num_slots, row]   aliased to k_cache_ref
+    v_cache_in,   # f8e4m3fn[num_slots, row]   aliased to v_cache_ref
+    k_cache_ref,  # f8e4m3fn[num_slots, row]
+    v_cache_ref,  # f8e4m3fn[num_slots, row]
+    *,
+    tokens_per_program: int,
+    row_chunk: int,
+    interpret: bool,
+):
+    """float8_e4m3fn caches: the rows are quantized with ``scales_ref`` between load and store."""
+    del k_cache_in, v_cache_in  # the same buffers as the outputs
+    _write_rows(slots_ref, scales_ref, k_ref, v_ref, k_cache_ref, v_cache_ref,
+                tokens_per_program=tokens_per_program, row_chunk=row_chunk, interpret=interpret)
+
+
+def write_pallas(k_flat, v_flat, k_rows, v_rows, slots, *, scales=None, interpret: bool,
                   elements_per_program: int = 4096, num_warps: int = 8):
-    """One program copies ``elements_per_program / row_chunk`` tokens' rows (a chunk of each).
+    """Write ``k_rows`` / ``v_rows`` ``[num_tokens, row]`` at ``slots`` of the flat caches
+    ``[num_slots, row]``; return the caches (the same buffers, aliased).
+
+    One program copies ``elements_per_program / row_chunk`` tokens' rows (a chunk of each). With
+    ``scales`` (``f32[2]``, ``(k_scale, v_scale)``; required for, and only for, float8_e4m3fn
+    caches) the rows, of any float dtype, are quantized inside the kernel; otherwise they are in
+    the cache dtype and copied as they are.
 
     The defaults were the fastest of 8 variants for a 16K-token bf16 write on the H200
     (benchmarks/sweep_decode.py --write-only, docs/BENCHMARKS.md).
@@ -57,15 +146,20 @@ def write_pallas(k_flat, v_flat, k_rows, v_rows, slots, *, interpret: bool,
     row_chunk = min(next_power_of_2(row), 1024)
     tokens_per_program = max(1, min(64, elements_per_program // row_chunk))
     grid = (pl.cdiv(max(num_tokens, 1), tokens_per_program), pl.cdiv(row, row_chunk))
-    kernel = functools.partial(_write_rows_kernel, tokens_per_program=tokens_per_program,
-                               row_chunk=row_chunk)
+    tiling = dict(tokens_per_program=tokens_per_program, row_chunk=row_chunk)
+    if scales is None:
+        kernel = functools.partial(_write_rows_kernel, **tiling)
+        operands, first_cache = (slots, k_rows, v_rows, k_flat, v_flat), 3
+    else:
+        kernel = functools.partial(_write_rows_fp8_kernel, interpret=interpret, **tiling)
+        operands, first_cache = (slots, scales, k_rows, v_rows, k_flat, v_flat), 4
     return pl.pallas_call(
         kernel,
         grid=grid,
         out_shape=(jax.ShapeDtypeStruct(k_flat.shape, k_flat.dtype),
                    jax.ShapeDtypeStruct(v_flat.shape, v_flat.dtype)),
-        input_output_aliases={3: 0, 4: 1},
+        input_output_aliases={first_cache: 0, first_cache + 1: 1},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="pallas_paged_write_kv",
-    )(slots, k_rows, v_rows, k_flat, v_flat)
+    )(*operands)
