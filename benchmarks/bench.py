@@ -5,6 +5,10 @@ Run ``python -m benchmarks.bench [--shapes NAMES|all] [--impls ...] [--tune] [--
 
 - ``pallas``: ``decode(..., impl="pallas")`` with the config ``decode`` would pick itself (the tuned
   table's entry, else the heuristic); with ``--tune``, a bounded sweep of `DecodeConfig` candidates.
+- ``mosaic``: ``decode(..., impl="mosaic")``, the Mosaic GPU kernel, with the config ``decode``
+  would pick itself (`configs.lookup_mosaic`). Where the kernel cannot run the shape here (a CPU
+  without interpret mode, jax < 0.11.2, a GPU before sm_90, head_dim 256, fp32, ...) its row says
+  "not run" with the kernel's own reason (`mosaic_gpu.refusal`).
 - ``xla``: ``decode(..., impl="xla")``; skipped when its gathered fp32 K/V would exceed ~30 GB.
 - ``jax_paged_attention``: JAX's ``jax.experimental.pallas.ops.gpu.paged_attention``, its best over
   a few valid configs. Its layout (``[num_kv_heads, total_num_pages, page_size, head_dim]``), its
@@ -27,16 +31,22 @@ Method:
   (``N`` * operations per call).
 - Small problems (K/V read per call < 4x the 60 MB L2) rotate among several copies of their inputs
   (own queries, own physical blocks in one shared cache), so no call re-reads what the previous
-  one left in L2. To keep host dispatch (~10 us) out of such short kernels, one call then runs
-  ``reps`` operations in an on-device ``fori_loop`` over the copies ("loop" mode; each iteration
-  also slices its copy's q and block table, whose cost ``loop_overhead_us`` reports). Problems
+  one left in L2. To keep host dispatch (~10 us) out of such short kernels, one jitted call then
+  runs ``reps`` operations in straight-line code over the copies ("loop" mode: XLA launches them
+  back to back; a ``fori_loop`` would add a host round trip per iteration); ``loop_overhead_us``
+  reports the time per operation of a trivial body launched the same way. Problems
   large enough to need no rotation are timed one operation per dispatch ("dispatch" mode).
-  Writes always run ``reps`` writes per call in a ``fori_loop`` on the donated caches: a prefill
+  Writes always run ``reps`` straight-line writes per call on the donated caches: a prefill
   write rotates among 4 disjoint sets of whole blocks; a decode-step write repeats its slots
   (slicing a rotation would launch a kernel as costly as the write itself).
 - Bandwidth: decode bytes = the K/V rows that must be read (``sum_b min(n_b, W) * KVH * D *
   itemsize * 2``) + q + output; write bytes = bytes written (``tokens * KVH * D * itemsize * 2``)
   and, as a second figure, bytes read + written (k, v rows and slots read, cache rows written).
+- ``impl="auto"``: each shape's record says which kernel ``decode``'s default picks there
+  (``auto``: `api.auto_impl`, the `configs.IMPL_CHOICE` entry of its class, and why Mosaic could
+  not run compiled, if it could not). The AUTO table prints it beside this run's pallas / mosaic
+  time ratio, and the run ends with the ``IMPL_CHOICE`` entries those ratios call for (Mosaic at
+  least `IMPL_MARGIN` faster), to paste into ``configs.py`` after a GPU run.
 - Correctness: every decode variant's output (of the last copy; ``impl="xla"`` included) is
   compared on the first ``REF_ROWS`` sequences with the float64 oracle (`parity.oracle`, run on
   the host over just the blocks those sequences read); NaN or a relative L2 error above
@@ -71,9 +81,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_paged.decode_attention import configs
-from pallas_paged.decode_attention.configs import DecodeConfig, get_heuristic_config
-from pallas_paged.decode_attention.api import decode, decode_shape
+from pallas_paged.decode_attention import configs, mosaic_gpu
+from pallas_paged.decode_attention.configs import (DecodeConfig, MosaicDecodeConfig,
+                                                   get_heuristic_config)
+from pallas_paged.decode_attention.api import auto_impl, decode, decode_shape
 from pallas_paged._platform import device_kind, has_gpu, next_power_of_2, sm_count
 from benchmarks.shapes import (ALL_SHAPES, SHAPE_GROUPS, SMALL_SHAPES, DecodeBenchShape,
                                  make_decode_inputs, random_normal, rotation_copies,
@@ -83,8 +94,8 @@ from parity.oracle import oracle_paged_attention
 from benchmarks.timing import Timing, jsonable, measure, measure_copy_bandwidth
 from benchmarks.timing import describe_error as _error
 
-IMPLS = ("pallas", "xla", "jax_paged_attention", "write")
-DECODE_IMPLS = ("pallas", "xla", "jax_paged_attention")
+IMPLS = ("pallas", "mosaic", "xla", "jax_paged_attention", "write")
+DECODE_IMPLS = ("pallas", "mosaic", "xla", "jax_paged_attention")
 L2_BYTES = 60e6                 # H200 L2
 ROTATE_BYTES = 4 * L2_BYTES     # below this much K/V per call, rotate among input copies
 MAX_COPIES = 8
@@ -95,6 +106,7 @@ REL_TOL = 2e-2                  # relative L2 error above which an output is WRO
 REF_ROWS = 8                    # batch rows compared with the float64 oracle
 SMEM_BYTES = 220 * 1024         # prune tune candidates whose K/V tiles alone exceed this
 JAX_PA_BLOCK_H = 16
+IMPL_MARGIN = 1.02              # an IMPL_CHOICE entry needs Mosaic at least this much faster
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,33 +199,29 @@ def compile_all(variants: list[Variant], threads: int) -> None:
             list(pool.map(work, todo))
 
 
-def repeated(call, copies: int, reps: int, out_shape, out_dtype):
-    """A jitted ``f(qs, k, v, tables, lens, *extra)``: ``reps`` calls of ``call`` in a fori_loop,
-    iteration ``i`` on copy ``i % copies``; returns the last output, that of copy
+def repeated(call, copies: int, reps: int):
+    """A jitted ``f(qs, k, v, tables, lens, *extra)`` (``qs``, ``tables``: lists of the copies'
+    arrays): ``reps`` calls of ``call`` in straight-line code, call ``i`` on copy ``i % copies``,
+    every output returned (so none is dropped). XLA launches them back to back with no host round
+    trip between calls, where a ``fori_loop`` would copy its condition to the host every
+    iteration (17.6 us per iteration on an H200 for a body of one small fusion,
+    ``python -m benchmarks.decode_anatomy``); the last output is that of copy
     ``(reps - 1) % copies``."""
 
     def run(qs, k, v, tables, lens, *extra):
-        def body(i, out):
-            del out
-            j = i % copies
-            return call(qs[j], k, v, tables[j], lens, *extra)
-
-        return jax.lax.fori_loop(0, reps, body, jnp.zeros(out_shape, out_dtype))
+        return tuple(call(qs[i % copies], k, v, tables[i % copies], lens, *extra)
+                     for i in range(reps))
 
     return jax.jit(run)
 
 
-def loop_probe(copies: int, reps: int, out_shape, out_dtype):
-    """The loop of `repeated` with a body that only slices its copy's q and table: its time per
-    iteration is the loop-mode overhead included in every loop-mode figure."""
+def loop_probe(copies: int, reps: int):
+    """`repeated`'s calls with a body that only reads its copy's q and table into one small
+    fusion: its time per call is what launching a call costs, included in every "loop" figure."""
 
     def run(qs, tables):
-        def body(i, out):
-            j = i % copies
-            t = tables[j][:, :1, None].astype(out_dtype)
-            return out * 0 + qs[j].astype(out_dtype) + t
-
-        return jax.lax.fori_loop(0, reps, body, jnp.zeros(out_shape, out_dtype))
+        return tuple(qs[i % copies].astype(jnp.float32) + tables[i % copies][:, :1, None]
+                     for i in range(reps))
 
     return jax.jit(run)
 
@@ -257,8 +265,42 @@ def _decode_fn(impl, *, config=None, k_scale=None, v_scale=None, window=None, in
                              sliding_window=window, interpret=interpret)
 
 
-def config_label(c: DecodeConfig) -> str:
+def config_label(c: DecodeConfig | MosaicDecodeConfig) -> str:
+    if isinstance(c, MosaicDecodeConfig):
+        return f"bk{c.block_k}/s{c.num_splits}/st{c.num_stages}"
     return f"bk{c.block_k}/s{c.num_splits}/w{c.num_warps}/st{c.num_stages}"
+
+
+def abstract_args(shape: DecodeBenchShape) -> tuple:
+    """``(q, k_cache, block_tables)`` of ``shape`` as `jax.ShapeDtypeStruct` s (one cache block):
+    what `auto_impl`, `configs` and `mosaic_gpu.refusal` read, without building inputs."""
+    q = jax.ShapeDtypeStruct((shape.batch, shape.num_heads, shape.head_dim), shape.query_dtype)
+    cache = jax.ShapeDtypeStruct((1, shape.block_size, shape.num_kv_heads, shape.head_dim),
+                                 shape.dtype)
+    tables = jax.ShapeDtypeStruct((shape.batch, shape.max_blocks), jnp.int32)
+    return q, cache, tables
+
+
+def mosaic_plan(shape: DecodeBenchShape, interpret: bool, sms: int) -> tuple:
+    """``(config, reason)``: the `MosaicDecodeConfig` ``decode`` would use for ``shape`` here, and
+    why the Mosaic kernel cannot run it (None when it can)."""
+    q, cache, tables = abstract_args(shape)
+    config = configs.lookup_mosaic(decode_shape(q, cache, tables), device_kind(), sms)
+    return config, mosaic_gpu.refusal(q, cache, config, interpret=interpret)
+
+
+def auto_record(shape: DecodeBenchShape, interpret: bool, sms: int) -> dict:
+    """What ``decode(..., impl="auto")`` does on ``shape`` here: ``impl`` (`auto_impl`), ``table``
+    (the `configs.IMPL_CHOICE` entry of its class on this device kind, None when unmeasured) and
+    ``mosaic_refusal`` (why ``"auto"`` cannot run the Mosaic kernel here: interpret mode, or the
+    kernel's reason for refusing a compiled run; None when it can)."""
+    q, cache, tables = abstract_args(shape)
+    facts = decode_shape(q, cache, tables)
+    config = configs.lookup_mosaic(facts, device_kind(), sms)
+    return {"impl": auto_impl(q, cache, tables, interpret=interpret),
+            "table": configs.lookup_impl(facts, device_kind()),
+            "mosaic_refusal": "interpret mode" if interpret else
+            mosaic_gpu.refusal(q, cache, config, interpret=False)}
 
 
 JAX_PA_DEFAULT = (16, 8, 8)  # paged_attention's defaults: k_splits, pages_per_compute_block, warps
@@ -447,22 +489,22 @@ class ShapeBench:
         return self.record, [r for r in self.rows if r.get("kind") == "write"]
 
     def _decode_args(self, inputs, q=None, tables=None):
-        """Arguments of a decode-like call: one copy (dispatch) or all stacked (loop)."""
+        """Arguments of a decode-like call: one copy (dispatch) or lists of every copy's q and
+        table (loop)."""
         q = inputs.q if q is None else q
         tables = inputs.block_tables if tables is None else tables
         if self.mode == "dispatch":
             return (q[0], inputs.k_cache, inputs.v_cache, tables[0], inputs.context_lens)
-        return (q, inputs.k_cache, inputs.v_cache, tables, inputs.context_lens)
+        return ([q[i] for i in range(self.copies)], inputs.k_cache, inputs.v_cache,
+                [tables[i] for i in range(self.copies)], inputs.context_lens)
 
-    def _wrap(self, call, out_dtype):
-        shape = self.shape
-        out_shape = (shape.batch, shape.num_heads, shape.head_dim)
+    def _wrap(self, call):
         if self.mode == "dispatch":
             return jax.jit(call)
-        return repeated(call, self.copies, self.reps, out_shape, out_dtype)
+        return repeated(call, self.copies, self.reps)
 
     def _decode_variant(self, impl, label, call, args, config=None) -> Variant:
-        fn = self._wrap(call, jnp.dtype(self.shape.query_dtype))
+        fn = self._wrap(call)
         return Variant(impl=impl, label=label, fn=fn, args=args, ops_per_call=self.reps,
                        config=config)
 
@@ -473,6 +515,14 @@ class ShapeBench:
         return self._decode_variant(impl, config_label(config), call, self._decode_args(inputs),
                                     dataclasses.asdict(config))
 
+    def _mosaic(self, inputs, config: MosaicDecodeConfig) -> Variant:
+        shape = self.shape
+        call = _decode_fn("mosaic", config=config, k_scale=inputs.k_scale,
+                          v_scale=inputs.v_scale, window=shape.sliding_window,
+                          interpret=self.s.interpret or None)
+        return self._decode_variant("mosaic", config_label(config), call,
+                                    self._decode_args(inputs), dataclasses.asdict(config))
+
     def _decode(self, inputs):
         shape, s = self.shape, self.s
         last = self.copies - 1
@@ -481,15 +531,25 @@ class ShapeBench:
         kind = device_kind()
         default_cfg = configs.lookup(facts, kind, self.sms)
         heuristic = get_heuristic_config(facts, self.sms)
+        mosaic_cfg, mosaic_refusal = mosaic_plan(shape, s.interpret, self.sms)
         self.record.update(shape_class=list(configs.shape_class(facts)),
                            default_config=dataclasses.asdict(default_cfg),
                            heuristic_config=dataclasses.asdict(heuristic),
                            default_from_table=configs.shape_class(facts)
-                           in configs.TUNED.get(kind, {}))
+                           in configs.TUNED.get(kind, {}),
+                           mosaic_config=dataclasses.asdict(mosaic_cfg),
+                           auto=auto_record(shape, s.interpret, self.sms))
         variants: list[Variant] = []
         skipped: list[dict] = []
         if "pallas" in self.impls or self.tune:
             variants.append(self._ours(inputs, default_cfg))
+        if "mosaic" in self.impls:
+            if mosaic_refusal is not None:
+                skipped.append({"impl": "mosaic", "label": config_label(mosaic_cfg),
+                                "config": dataclasses.asdict(mosaic_cfg), "status": "not run",
+                                "reason": mosaic_refusal})
+            else:
+                variants.append(self._mosaic(inputs, mosaic_cfg))
         xla_variant = None
         if "xla" in self.impls:
             need = 2 * shape.batch * shape.capacity * shape.num_kv_heads * shape.head_dim * 4
@@ -525,12 +585,12 @@ class ShapeBench:
                                     "status": "error", "error": _error(e)})
         probe = None
         if self.mode == "loop" and variants:
-            out_shape = (shape.batch, shape.num_heads, shape.head_dim)
+            copies = range(self.copies)
             probe = Variant(impl="probe", label="loop overhead",
-                            fn=loop_probe(self.copies, self.reps, out_shape,
-                                          jnp.dtype(shape.query_dtype)),
-                            args=(inputs.q, inputs.block_tables), ops_per_call=self.reps,
-                            pooled=False)
+                            fn=loop_probe(self.copies, self.reps),
+                            args=([inputs.q[i] for i in copies],
+                                  [inputs.block_tables[i] for i in copies]),
+                            ops_per_call=self.reps, pooled=False)
             variants.append(probe)
 
         compile_all(variants, s.compile_threads)
@@ -598,6 +658,8 @@ class ShapeBench:
             try:
                 out = v.compiled(*v.args)
                 jax.block_until_ready(out)
+                if isinstance(out, tuple):  # loop mode: the last call's output, the last copy's
+                    out = out[-1]
                 if self.ref is not None:
                     row.update(compare(out[: self.ref_rows], self.ref), reference=self.ref_kind)
                 else:
@@ -715,12 +777,13 @@ class ShapeBench:
         interpret = self.s.interpret or None
 
         def run(k_cache, v_cache, k, v, slots):
-            def body(i, caches):
-                return write_kv(caches[0], caches[1], k, v, slots[i % slots.shape[0]],
-                                k_scale=k_scale, v_scale=v_scale, impl=impl,
-                                interpret=interpret if impl == "pallas" else None)
-
-            return jax.lax.fori_loop(0, reps, body, (k_cache, v_cache))
+            # straight-line writes, as `repeated`'s decode calls: no host round trip between them
+            rotations = [slots[j] for j in range(slots.shape[0])]
+            for i in range(reps):
+                k_cache, v_cache = write_kv(k_cache, v_cache, k, v, rotations[i % len(rotations)],
+                                            k_scale=k_scale, v_scale=v_scale, impl=impl,
+                                            interpret=interpret if impl == "pallas" else None)
+            return k_cache, v_cache
 
         return jax.jit(run, donate_argnums=(0, 1))
 
@@ -795,20 +858,29 @@ def device_info() -> dict:
             "host": host_platform.platform()}
 
 
+def _timed_ok(r: dict) -> bool:
+    return r.get("status") == "ok" and bool(r.get("correct")) and "median_us" in r
+
+
 def _speedups(decode_rows: list[dict]) -> None:
-    """``speedup_vs_jax`` = the best correct JAX paged_attention time / this row's time."""
+    """``speedup_vs_jax`` = the best correct JAX paged_attention time / this row's time;
+    ``speedup_vs_pallas`` (mosaic rows) = the Triton kernel's time with the config ``decode``
+    picks (the ``pallas`` row) / this row's time, both correct."""
     by_shape: dict[str, list] = {}
     for r in decode_rows:
         by_shape.setdefault(r["shape"], []).append(r)
     for rows in by_shape.values():
-        jax_rows = [r for r in rows if r["impl"] == "jax_paged_attention"
-                    and r.get("status") == "ok" and r.get("correct") and "median_us" in r]
+        jax_rows = [r for r in rows if r["impl"] == "jax_paged_attention" and _timed_ok(r)]
         best = min((r["median_us"] for r in jax_rows), default=None)
         for r in rows:  # a wrong result never gets a speedup
             if best is not None and "median_us" in r and r.get("correct") is not False:
                 r["speedup_vs_jax"] = best / r["median_us"]
         for r in jax_rows:
             r["best_of_impl"] = r["median_us"] == best
+        pallas = next((r for r in rows if r["impl"] == "pallas" and _timed_ok(r)), None)
+        for r in rows:
+            if r["impl"] == "mosaic" and pallas is not None and _timed_ok(r):
+                r["speedup_vs_pallas"] = pallas["median_us"] / r["median_us"]
 
 
 def summary_rows(doc: dict) -> tuple[list, list]:
@@ -819,7 +891,7 @@ def summary_rows(doc: dict) -> tuple[list, list]:
         if rec.get("status") == "error":
             decode_rows.append({"shape": rec["name"], "impl": "-", "label": "-",
                                 "status": "error", "error": rec.get("error", "")})
-        for impl in ("pallas", "pallas_tuned", "xla", "jax_paged_attention"):
+        for impl in ("pallas", "pallas_tuned", "mosaic", "xla", "jax_paged_attention"):
             cands = [r for r in rows if r["impl"] == impl]
             if not cands:
                 continue
@@ -899,6 +971,7 @@ def format_tables(doc: dict) -> str:
             name = " ".join(str(k) for k in key[:4])
             lines.append(f"{name:<22} {str(key[4]):<7} {tokens:>6} | {cells[0]} | {cells[1]} |"
                          f" {'; '.join(checks) or 'ok'}")
+    lines += auto_table(doc)
     lines += ["", f"check: relative L2 / max abs error vs the float64 oracle (first {REF_ROWS}"
               f" sequences); WRONG above {REL_TOL:g}. vs_jax: best JAX paged_attention time / this"
               " time."]
@@ -907,6 +980,68 @@ def format_tables(doc: dict) -> str:
     if loop:
         lines.append("loop mode (times include slicing the copy's q and table per call, measured"
                      " alone in parentheses): " + ", ".join(loop))
+    return "\n".join(lines)
+
+
+def auto_table(doc: dict) -> list[str]:
+    """The AUTO table's lines: per shape, its class, the `configs.IMPL_CHOICE` entry, the kernel
+    ``impl="auto"`` picks, this run's mosaic speed-up over pallas, and why ``"auto"`` could not
+    run Mosaic (if it could not). Empty when no record has the facts."""
+    recs = [r for r in doc["shapes"] if "auto" in r]
+    if not recs:
+        return []
+    w = max([20] + [len(r["name"]) for r in recs])
+    hdr = (f"{'shape':<{w}} {'class':<38} {'table':<7} {'auto':<7} {'mosaic/pallas':>13}"
+           f"  why auto cannot run mosaic")
+    lines = ["", "AUTO  (impl='auto': the IMPL_CHOICE entry of the class on this device kind,"
+             " where the Mosaic kernel can run compiled; else pallas)", hdr, "-" * len(hdr)]
+    for rec in recs:
+        auto = rec["auto"]
+        mosaic = next((r for r in rec.get("results", []) if r["impl"] == "mosaic"), None)
+        speedup = _fmt(mosaic.get("speedup_vs_pallas") if mosaic else None, ".2f")
+        lines.append(f"{rec['name']:<{w}} {str(tuple(rec.get('shape_class', ()))):<38}"
+                     f" {str(auto.get('table') or '-'):<7} {auto['impl']:<7} {speedup:>13}"
+                     f"  {_short(auto.get('mosaic_refusal') or '-', 70)}")
+    lines.append("mosaic/pallas: the pallas row's time / the mosaic row's (each with the config"
+                 " decode picks); > 1: Mosaic faster.")
+    return lines
+
+
+def impl_choice_snippet(doc: dict) -> str:
+    """``IMPL_CHOICE`` (paste into pallas_paged/decode_attention/configs.py) from this run.
+
+    Every shape class in which both kernels ran correct and were timed gets an entry: ``"mosaic"``
+    when Mosaic was at least `IMPL_MARGIN` times as fast as the ``pallas`` row (the Triton kernel
+    with the config ``decode`` picks) on every shape of the class, else ``"pallas"``. Classes
+    measured only on windowed shapes are comments (a class has no window, so it also covers full
+    attention).
+    """
+    meta = doc["meta"]
+    device = meta["device"]
+    by_class: dict[tuple, list] = {}
+    for rec in doc["shapes"]:
+        rows = rec.get("results", [])
+        pallas = next((r for r in rows if r["impl"] == "pallas" and _timed_ok(r)), None)
+        mosaic = next((r for r in rows if r["impl"] == "mosaic" and _timed_ok(r)), None)
+        if pallas is None or mosaic is None or "shape_class" not in rec:
+            continue
+        ratio = pallas["median_us"] / mosaic["median_us"]
+        note = (f"{rec['name']}: {ratio:.2f}x ({mosaic['median_us']:.1f} us vs"
+                f" {pallas['median_us']:.1f} us)")
+        windowed = rec["shape"].get("sliding_window") is not None
+        by_class.setdefault(tuple(rec["shape_class"]), []).append((ratio, note, windowed))
+    lines = [f"# Measured with `python -m benchmarks.bench` on {device['device_kind']}"
+             f" ({device['sm_count']} SMs), {meta['date'][:10]}: pallas time / mosaic time.",
+             f"IMPL_CHOICE: dict[str, dict[tuple, str]] = {{{device['device_kind']!r}: {{"]
+    for key, measured in by_class.items():
+        full = [(ratio, note) for ratio, note, windowed in measured if not windowed]
+        notes = "; ".join(note for _, note, _ in measured)
+        if full:
+            faster = "mosaic" if all(ratio >= IMPL_MARGIN for ratio, _ in full) else "pallas"
+            lines.append(f"    {key!r}: {faster!r},  # {notes}")
+        else:
+            lines.append(f"    # (windowed shapes only) {key!r}  # {notes}")
+    lines.append("}}")
     return "\n".join(lines)
 
 
@@ -954,8 +1089,9 @@ def write_plot(doc: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     decode_rows, write_rows = summary_rows(doc)
-    impls = ["pallas", "pallas_tuned", "xla", "jax_paged_attention"]
-    colors = {"pallas": "C0", "pallas_tuned": "C1", "xla": "C2", "jax_paged_attention": "C3"}
+    impls = ["pallas", "pallas_tuned", "mosaic", "xla", "jax_paged_attention"]
+    colors = {"pallas": "C0", "pallas_tuned": "C1", "mosaic": "C4", "xla": "C2",
+              "jax_paged_attention": "C3"}
     shapes = list(dict.fromkeys(r["shape"] for r in decode_rows))
     fig, axes = plt.subplots(2, 1, figsize=(max(10, 0.8 * len(shapes) + 4), 10))
     ax = axes[0]
@@ -1145,6 +1281,10 @@ def plan(shapes, impls, s: Settings, tune: bool, sms: int) -> str:
         parts = []
         if "pallas" in impls or tune:
             parts.append("pallas 1" + (f" + tune <={s.max_tune_configs}" if tune else ""))
+        mosaic_runs = "mosaic" in impls and mosaic_plan(shape, s.interpret, sms)[1] is None
+        if "mosaic" in impls:
+            parts.append("mosaic 1" if mosaic_runs else "mosaic not run")
+        parts.append(f"auto={auto_record(shape, s.interpret, sms)['impl']}")
         xla_bytes = 2 * shape.batch * shape.capacity * shape.num_kv_heads * shape.head_dim * 4
         if "xla" in impls:
             parts.append("xla 1" if xla_bytes <= XLA_LIMIT_BYTES else "xla skipped")
@@ -1160,7 +1300,8 @@ def plan(shapes, impls, s: Settings, tune: bool, sms: int) -> str:
                     write_keys.add(key)
                     n_write += 2
             parts.append(f"write {n_write}")
-        count = (("pallas" in impls or tune) + ("xla" in impls and xla_bytes <= XLA_LIMIT_BYTES)
+        count = (("pallas" in impls or tune) + mosaic_runs
+                 + ("xla" in impls and xla_bytes <= XLA_LIMIT_BYTES)
                  + n_jax + n_write + (tune and s.max_tune_configs))
         total += count
         lines.append(f"{shape.name:<22} {copies:>6} {mode:<8} {reps:>4} {touched / 1e6:8.1f}"
@@ -1282,6 +1423,8 @@ def main(argv=None) -> dict:
     if args.tune:
         doc["tuned"] = {"snippet": tuned_snippet(doc),
                         "best": {r["name"]: r["tune"] for r in doc["shapes"] if r.get("tune")}}
+    if {"pallas", "mosaic"} <= set(impls):
+        doc["impl_choice"] = impl_choice_snippet(doc)
     tables = format_tables(doc)
     doc["table"] = tables.splitlines()
     _dump(doc, args.json)
@@ -1295,6 +1438,8 @@ def main(argv=None) -> dict:
           f" ({_fmt(drift, '.3f')} of the start); total {doc['elapsed_s']:.0f} s", flush=True)
     if args.tune:
         print("\n" + doc["tuned"]["snippet"], flush=True)
+    if "impl_choice" in doc and not s.interpret:  # interpret-mode times say nothing
+        print("\n" + doc["impl_choice"], flush=True)
     print("\n" + tables, flush=True)
     return doc
 

@@ -8,7 +8,7 @@ slots, from bf16 and from fp32 rows, with ``impl="pallas"`` and ``impl="xla"``:
   torch on the same device, from rows that mix N(0, 1) values with exact rounding ties of
   ``x / scale`` (the midpoints of neighbouring fp8 values, times the scale), NaN, +-inf and values
   past +-448;
-- speed: `benchmarks.timing.measure` of one jitted call of ``REPS`` writes (a ``fori_loop`` over
+- speed: `benchmarks.timing.measure` of one jitted call of ``REPS`` writes (straight-line, over
   ``REPS`` disjoint slot sets, so that no write finds the previous one's rows in L2), the caches
   donated and fed back as `benchmarks.bench` times writes; printed as the time of one write and as
   (bytes read + written) / time, a fraction of the copy bandwidth measured in the same run.
@@ -74,12 +74,12 @@ def write_fn(impl: str, interpret: bool | None):
     """``REPS`` writes of the same rows at ``slots[i]``, jitted with the caches donated."""
 
     def run(k_cache, v_cache, k, v, slots, scales):
-        def body(i, caches):
-            return write_kv(caches[0], caches[1], k, v, slots[i], k_scale=scales[0],
-                            v_scale=scales[1], impl=impl,
-                            interpret=interpret if impl == "pallas" else None)
-
-        return jax.lax.fori_loop(0, REPS, body, (k_cache, v_cache))
+        # straight-line writes: a fori_loop would add a host round trip per write
+        for i in range(REPS):
+            k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots[i], k_scale=scales[0],
+                                        v_scale=scales[1], impl=impl,
+                                        interpret=interpret if impl == "pallas" else None)
+        return k_cache, v_cache
 
     return jax.jit(run, donate_argnums=(0, 1))
 

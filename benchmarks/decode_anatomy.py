@@ -9,16 +9,16 @@ Run ``python -m benchmarks.decode_anatomy [--shapes a,b] [--json PATH] [--smoke]
   (the page-table gather then reads neighbouring rows): what the random layout costs;
 - ``kernel only`` / ``merge only``: the Pallas kernel without the split merge, and the merge (an
   XLA fusion) alone on the kernel's partial results: what the second launch costs;
-- ``stream``: a kernel on the same grid that gathers exactly the decode kernel's K/V tiles
-  through the block table and only adds them up (no dots, no softmax): the floor of this access
-  pattern on this device; ``stream, contiguous pages`` likewise;
-- ``empty``: a kernel on the same grid that only stores one value per program: launch and
+- ``loop overhead``: the calls of a trivial body (one small fusion) launched the same way;
+- ``empty kernel``: a kernel on the same grid that only stores one value per program: launch and
   scheduling cost;
 - config variants around the default (splits, tile, warps, stages).
 
 Every decode variant is checked against ``impl="xla"`` before it is timed (`benchmarks.bench.compare`;
 a WRONG row makes the exit status 1). Bytes are the K/V rows read plus q and the output, as in
-`benchmarks.bench`. Inputs that fit a few times in L2 rotate among copies.
+`benchmarks.bench`. Inputs that fit a few times in L2 rotate among copies; every variant is timed
+as ``Settings.loop_ops`` straight-line calls in one jitted program (no host round trip between
+calls), as `benchmarks.bench` times its loop mode.
 """
 
 from __future__ import annotations
@@ -39,11 +39,10 @@ import pallas_paged as pp
 from benchmarks.bench import ROTATE_BYTES, Settings, compare, smoke_settings
 from benchmarks.timing import describe_error, jsonable, measure, measure_copy_bandwidth
 from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
-from pallas_paged._platform import device_kind, next_power_of_2, sm_count
+from pallas_paged._platform import device_kind, sm_count
 from pallas_paged.decode_attention import configs
 from pallas_paged.decode_attention.api import decode_shape
-from pallas_paged.decode_attention.pallas_triton import (_merge_splits, decode_kernel_call,
-                                                         tile_range)
+from pallas_paged.decode_attention.pallas_triton import _merge_splits, decode_kernel_call
 
 SHAPES = ("b1_ctx32768", "fp8_b32_ctx4096", "b32_ctx4096")
 SMOKE_SHAPES = ("small_b2_ctx64", "small_fp8_b2_ctx64")
@@ -64,62 +63,25 @@ def config_variants(default: pp.DecodeConfig, fp8: bool) -> list:
     return [c for c in dict.fromkeys(out) if c != default]
 
 
-def _stream_kernel(lens_ref,    # i32[batch]
-                   tables_ref,  # i32[batch, max_blocks]
-                   k_ref,       # [num_slots, num_kv_heads, head_dim]
-                   v_ref,       # [num_slots, num_kv_heads, head_dim]
-                   out_ref,     # f32[batch, kvh, splits, padded_dim]
-                   *, block_size: int, block_k: int, num_splits: int, padded_dim: int,
-                   touch_only: bool):
-    """The decode kernel's K/V traffic without its math: each tile of the program's split is
-    gathered through the block table and summed over tokens (``touch_only``: one store, no
-    reads)."""
+def _empty_kernel(lens_ref,  # i32[batch]
+                  out_ref,   # f32[batch, kvh, splits]
+                  ):
+    """One store per program: what launching decode's grid costs."""
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    head_dim = k_ref.shape[2]
-    cols = jnp.arange(padded_dim)
-    col_ok = cols < head_dim
-    if touch_only:
-        plgpu.store(out_ref.at[b, h, split, cols], jnp.zeros((padded_dim,), jnp.float32),
-                    mask=col_ok)
-        return
-    num_blocks = k_ref.shape[0] // block_size
-    n = jnp.clip(lens_ref[b], 0, tables_ref.shape[1] * block_size)
-    _, tile_lo, tile_hi = tile_range(n, split, block_k=block_k, num_splits=num_splits,
-                                     window=None)
-
-    def body(tile, acc):  # acc: f32[Tk, Dp]
-        pos = tile * block_k + jnp.arange(block_k)
-        valid = pos < n
-        block = plgpu.load(tables_ref.at[b, jnp.where(valid, pos // block_size, 0)], mask=valid,
-                           other=0)
-        slot = jnp.clip(block, 0, num_blocks - 1) * block_size + pos % block_size
-        mask = valid[:, None] & col_ok[None, :]
-        k = plgpu.load(k_ref.at[slot[:, None], h, cols[None, :]], mask=mask, other=0.0)
-        v = plgpu.load(v_ref.at[slot[:, None], h, cols[None, :]], mask=mask, other=0.0)
-        return acc + k.astype(jnp.float32) + v.astype(jnp.float32)
-
-    acc = jax.lax.fori_loop(tile_lo, tile_hi, body,
-                            jnp.zeros((block_k, padded_dim), jnp.float32))
-    plgpu.store(out_ref.at[b, h, split, cols], acc.sum(axis=0), mask=col_ok)
+    out_ref[b, h, split] = lens_ref[b].astype(jnp.float32)
 
 
-def stream_call(k_cache, v_cache, block_tables, context_lens, *, config: pp.DecodeConfig,
-                interpret: bool, touch_only: bool = False):
-    """The stripped-down kernel of `_stream_kernel` on decode's grid for ``config``."""
-    num_blocks, block_size, kvh, head_dim = k_cache.shape
+def empty_call(k_cache, block_tables, context_lens, *, config: pp.DecodeConfig,
+               interpret: bool):
+    """`_empty_kernel` on decode's grid ``(batch, kvh, splits)`` for ``config``."""
+    kvh = k_cache.shape[2]
     batch = block_tables.shape[0]
-    padded_dim = max(16, next_power_of_2(head_dim))
-    kernel = functools.partial(_stream_kernel, block_size=block_size, block_k=config.block_k,
-                               num_splits=config.num_splits, padded_dim=padded_dim,
-                               touch_only=touch_only)
     return pl.pallas_call(
-        kernel, grid=(batch, kvh, config.num_splits),
-        out_shape=jax.ShapeDtypeStruct((batch, kvh, config.num_splits, padded_dim), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                             num_stages=config.num_stages),
-        interpret=interpret, name="anatomy_stream",
-    )(context_lens, block_tables, k_cache.reshape(num_blocks * block_size, kvh, head_dim),
-      v_cache.reshape(num_blocks * block_size, kvh, head_dim))
+        _empty_kernel, grid=(batch, kvh, config.num_splits),
+        out_shape=jax.ShapeDtypeStruct((batch, kvh, config.num_splits), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        interpret=interpret, name="anatomy_empty",
+    )(context_lens)
 
 
 def contiguous_tables(tables: np.ndarray, block_size: int, lens: np.ndarray) -> np.ndarray:
@@ -158,26 +120,21 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool) -> list
                 pp.decode(inputs.q[0], kc, vc, tables[0], lens, impl="xla", **scales))
         return references[id(tables)]
     scale = 1.0 / float(np.sqrt(shape.head_dim))
-    qs_all, tables_all = inputs.q, inputs.block_tables
+    qs_all = [inputs.q[i] for i in range(copies)]
+    tables_all = [inputs.block_tables[i] for i in range(copies)]
+    contiguous = [contiguous[i] for i in range(copies)]
     reps = copies * max(1, -(-s.loop_ops // copies))
     rows = []
 
     def timed(label, fn, tables_of=tables_all, shared=(), check=False, config=None):
         """Time ``fn(q, table, *shared)`` as `benchmarks.bench` does in loop mode: ``reps``
-        calls in one on-device loop, call ``i`` on copy ``i % copies``; the first call's output
-        is checked against the reference when ``check``."""
+        straight-line calls in one jitted program, call ``i`` on copy ``i % copies``; the first
+        call's output is checked against the reference when ``check``."""
         row = {"shape": name, "variant": label, "config": None if config is None else
                dataclasses.asdict(config)}
         try:
-            out_struct = jax.eval_shape(fn, qs_all[0], tables_of[0], *shared)
-
-            def run(qs, ts, *args):
-                def body(i, out):
-                    del out
-                    j = i % copies
-                    return fn(qs[j], ts[j], *args)
-                return jax.lax.fori_loop(0, reps, body, jnp.zeros(out_struct.shape,
-                                                                  out_struct.dtype))
+            def run(qs, ts, *args):  # straight-line calls: no host round trip between them
+                return tuple(fn(qs[i % copies], ts[i % copies], *args) for i in range(reps))
 
             compiled = jax.jit(run)
             if check:
@@ -223,10 +180,8 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool) -> list
         n = jnp.asarray(inputs.context_lens_np, jnp.int32)
         timed("merge only", lambda q, t, o, m, l: _merge_splits(o, m, l, n, None)[0],
               shared=partials)
-    stream = functools.partial(stream_call, config=default, interpret=interpret)
-    timed("stream (same tiles, no math)", lambda q, t: stream(kc, vc, t, lens))
-    timed("stream, contiguous pages", lambda q, t: stream(kc, vc, t, lens), tables_of=contiguous)
-    timed("empty (launch only)", lambda q, t: stream(kc, vc, t, lens, touch_only=True))
+    timed("empty kernel (launch only)",
+          lambda q, t: empty_call(kc, t, lens, config=default, interpret=interpret))
     for config in config_variants(default, shape.is_fp8):
         label = (f"decode bk{config.block_k} s{config.num_splits} w{config.num_warps}"
                  f" st{config.num_stages}")

@@ -195,7 +195,9 @@ def forward_step(params, caches, batch: StepBatch, *, spec: LlamaSpec, impl="pal
         ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype.
       batch: the step's tokens (`StepBatch`).
       spec: the architecture (static).
-      impl: the attention implementation (`pallas_paged.decode`'s ``impl``).
+      impl: the attention implementation (`pallas_paged.decode`'s ``impl``; the prefill's
+        `pallas_paged.paged_attention` runs ``"xla"`` for ``"xla"`` and its Triton kernel for
+        every other value).
       write_impl: `pallas_paged.write_kv`'s ``impl`` (None: its default).
       interpret: Pallas interpret mode (None: exactly when there is no GPU).
 
@@ -221,8 +223,8 @@ def forward_step(params, caches, batch: StepBatch, *, spec: LlamaSpec, impl="pal
         new_caches.append((k_cache, v_cache))
         prefill_out = attend_prefill(
             q[:num_prefill_tokens], k_cache, v_cache, batch.prefill_block_tables,
-            batch.prefill_context_lens, batch.query_start_loc, scale, impl=impl,
-            interpret=interpret)
+            batch.prefill_context_lens, batch.query_start_loc, scale,
+            impl="xla" if impl == "xla" else "pallas", interpret=interpret)
         decode_out = pallas_paged.decode(
             q[num_prefill_tokens:], k_cache, v_cache, batch.decode_block_tables,
             batch.decode_context_lens, scale, impl=impl, interpret=interpret)

@@ -2,7 +2,9 @@
 
 The benchmark runs in ``--smoke`` mode on one tiny shape (Pallas interpret mode on a CPU): the
 numbers mean nothing there, but every impl, the correctness check, the donated writes, the JSON and
-the plot must come out, with positive, finite figures.
+the plot must come out, with positive, finite figures. The Mosaic kernel's row says "not run" with
+the kernel's reason where it cannot run (head_dim 32 there; jax 0.10.2), and a second smoke run on
+a head_dim-64 shape runs it beside the Triton kernel where it can (interpret mode, jax >= 0.11.2).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks import bench
+from benchmarks import bench, bench_mosaic
+from pallas_paged.decode_attention import mosaic_gpu
 from pallas_paged.decode_attention.configs import DecodeConfig
 from benchmarks.shapes import (ALL_SHAPES, BENCH_SHAPES, EXTENSION_SHAPES, SMALL_SHAPES,
                                  DecodeBenchShape, make_block_tables, make_decode_inputs,
@@ -266,6 +269,92 @@ def test_smoke_decode_rows(smoke):
         assert _finite_positive(rows[impl]["speedup_vs_jax"])
     assert rows["xla"]["correct"] is True  # every impl is held to the float64 oracle
     assert rows["pallas"]["config"] == record["default_config"]
+    # head_dim 32: the Mosaic kernel refuses it (and jax 0.10.2 any shape), with its reason.
+    mosaic = rows["mosaic"]
+    assert mosaic["status"] == "not run" and "median_us" not in mosaic
+    reason = ("needs jax >= 0.11.2" if mosaic_gpu.jax_version() < mosaic_gpu.MIN_JAX
+              else "head_dim in (64, 128)")
+    assert reason in mosaic["reason"]
+    assert mosaic["config"] == record["mosaic_config"]
+    assert any("NOT RUN: impl='mosaic'" in line for line in doc["table"])
+    # impl="auto": no table entry for the class, so the Triton kernel (on a CPU, interpret mode
+    # would rule Mosaic out anyway).
+    assert record["auto"]["impl"] == "pallas" and record["auto"]["table"] is None
+    if jax.default_backend() != "gpu":
+        assert record["auto"]["mosaic_refusal"] == "interpret mode"
+
+
+def test_smoke_runs_mosaic_beside_pallas(tmp_path, monkeypatch):
+    """On a head_dim-64 shape the Mosaic kernel runs where it can (interpret mode with jax >=
+    0.11.2, or an sm_90 GPU), checked against the oracle and timed like the Triton kernel, with
+    its speed-up over it; elsewhere (jax 0.10.2) its row says why not."""
+    shape = bench_mosaic.SMOKE_SHAPES[0]  # bf16, H=8, KVH=2, D=64, bs=16, ctx 128
+    by_name = bench.shape_by_name
+    monkeypatch.setattr(bench, "shape_by_name",
+                        lambda name: shape if name == shape.name else by_name(name))
+    path = tmp_path / "bench.json"
+    doc = bench.main(["--smoke", "--shapes", shape.name, "--impls", "pallas,mosaic",
+                      "--json", str(path)])
+    (record,) = json.loads(path.read_text())["shapes"]
+    rows = {r["impl"]: r for r in record["results"]}
+    _, refusal = bench.mosaic_plan(shape, not bench.has_gpu(), bench.sm_count())
+    if jax.default_backend() != "gpu":  # interpret mode: the version alone decides
+        assert (refusal is None) == (mosaic_gpu.jax_version() >= mosaic_gpu.MIN_JAX)
+    mosaic = rows["mosaic"]
+    assert mosaic["config"] == record["mosaic_config"]
+    if refusal is None:
+        assert mosaic["status"] == "ok", mosaic.get("error")
+        assert mosaic["correct"] is True and mosaic["rel_err"] < bench.REL_TOL
+        assert _finite_positive(mosaic["median_us"]) and _finite_positive(mosaic["frac_copy_bw"])
+        assert _finite_positive(mosaic["speedup_vs_pallas"])
+        assert mosaic["speedup_vs_pallas"] == pytest.approx(
+            rows["pallas"]["median_us"] / mosaic["median_us"])
+        assert "IMPL_CHOICE" in doc["impl_choice"]
+    else:
+        assert mosaic["status"] == "not run" and mosaic["reason"] == refusal
+        assert "needs jax >= 0.11.2" in refusal or jax.default_backend() == "gpu"
+    assert rows["pallas"]["status"] == "ok" and rows["pallas"]["correct"] is True
+    assert bench.exit_status(doc) == 0
+
+
+def test_impl_choice_snippet_is_python():
+    """Mosaic where it beat the Triton kernel by the margin on every shape of the class, else
+    pallas; a class measured only with a window is a comment."""
+    def rec(name, key, pallas_us, mosaic_us, window=None):
+        timed = dict(status="ok", correct=True)
+        return {"name": name, "shape": {"sliding_window": window}, "shape_class": list(key),
+                "results": [dict(timed, impl="pallas", median_us=pallas_us),
+                            dict(timed, impl="mosaic", median_us=mosaic_us)]}
+    b1 = ("bfloat16", 128, 4, 16, 1, 32768)
+    b32 = ("bfloat16", 128, 4, 16, 32, 4096)
+    close = ("float16", 128, 4, 16, 32, 4096)
+    mixed = ("bfloat16", 128, 4, 16, 64, 8192)
+    window = ("bfloat16", 128, 4, 16, 8, 65536)
+    doc = {"meta": {"device": {"device_kind": "NVIDIA H200", "sm_count": 132},
+                    "date": "2026-01-01T00:00:00"},
+           "shapes": [rec("b1", b1, 60.0, 55.0), rec("b32", b32, 100.0, 120.0),
+                      rec("fp16", close, 100.0, 99.0), rec("m1", mixed, 100.0, 80.0),
+                      rec("m2", mixed, 100.0, 101.0), rec("swa", window, 50.0, 40.0, 1024),
+                      {"name": "not_run", "shape": {"sliding_window": None},
+                       "shape_class": ["float32", 128, 4, 16, 32, 4096],
+                       "results": [{"impl": "pallas", "status": "ok", "correct": True,
+                                    "median_us": 1.0},
+                                   {"impl": "mosaic", "status": "not run", "reason": "fp32"}]}]}
+    snippet = bench.impl_choice_snippet(doc)
+    namespace = {}
+    exec(snippet, namespace)  # noqa: S102 - our own generated code
+    assert namespace["IMPL_CHOICE"] == {"NVIDIA H200": {
+        b1: "mosaic", b32: "pallas", close: "pallas", mixed: "pallas"}}
+    assert "swa" in snippet and "not_run" not in snippet
+
+
+def test_plan_names_the_mosaic_rows_and_auto():
+    s = bench.build_settings(bench.parse_args(["--smoke"]))
+    shapes = [bench.shape_by_name(n) for n in ("d256_b32_ctx4096", "fp16_b32_ctx4096")]
+    text = bench.plan(shapes, ("pallas", "mosaic"), s, False, 132).splitlines()
+    assert "mosaic not run" in text[1] and "auto=pallas" in text[1]  # head_dim 256
+    runs = bench.mosaic_plan(shapes[1], s.interpret, 132)[1] is None
+    assert ("mosaic 1" if runs else "mosaic not run") in text[2]
 
 
 def test_smoke_write_rows(smoke):
@@ -315,6 +404,8 @@ def test_arguments_resolve_shapes_and_impls():
     assert args.impl_list == ("pallas", "write")
     assert bench.parse_args(["--tune"]).impl_list == ("pallas",)
     assert bench.parse_args([]).impl_list == bench.IMPLS
+    assert "mosaic" in bench.IMPLS and "mosaic" in bench.DECODE_IMPLS
+    assert bench.parse_args(["--impls", "mosaic"]).impl_list == ("mosaic",)
 
 
 def test_exit_status_counts_wrong_rows():

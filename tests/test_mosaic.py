@@ -4,8 +4,9 @@ every option, fp8 caches, split-K, GQA, and the SPEC invariants I2-I7.
 On a CPU the kernel runs in Mosaic GPU's interpret mode (``plgpu.InterpretGPUParams``: shared
 memory, TMA, barriers and wgmma simulated, with race detection), so the shapes are small; on a GPU
 the same tests run the compiled kernel, and the ``gpu`` tests add realistic shapes. jax < 0.11.2
-has no ``plgpu.kernel`` of this API: the module is skipped there (the ValueError it gives is
-tested with a patched version number).
+has no ``plgpu.kernel`` of this API: the kernel's tests are skipped there (the ValueError it gives
+is tested with a patched version number); the tests of ``impl="auto"``'s choice, marked
+`on_every_jax`, run on every jax.
 """
 
 from __future__ import annotations
@@ -22,13 +23,26 @@ import pallas_paged as pp
 import torch_ref
 from oracle import fp8_e4m3fn_to_float, oracle_paged_attention
 from paged_inputs import make_paged, to_numpy
-from pallas_paged.decode_attention import mosaic_gpu
+from pallas_paged.decode_attention import api, configs, mosaic_gpu
 from pallas_paged.decode_attention.configs import MosaicDecodeConfig
 from test_decode import numpy_attention, run_torch
 
-pytestmark = pytest.mark.skipif(
-    mosaic_gpu.jax_version() < mosaic_gpu.MIN_JAX,
-    reason=f"impl='mosaic' needs jax >= 0.11.2 (plgpu.kernel); this is jax {jax.__version__}")
+KERNEL_API = mosaic_gpu.jax_version() >= mosaic_gpu.MIN_JAX  # plgpu.kernel as the kernel uses it
+
+
+def on_every_jax(test):
+    """Marks a test that holds on every jax (it runs no Mosaic kernel): `_needs_the_kernel_api`
+    spares it."""
+    test.on_every_jax = True
+    return test
+
+
+@pytest.fixture(autouse=True)
+def _needs_the_kernel_api(request):
+    """Skips every test not marked `on_every_jax` on a jax without the kernel's API."""
+    if not KERNEL_API and not getattr(request.function, "on_every_jax", False):
+        pytest.skip(f"impl='mosaic' needs jax >= 0.11.2 (plgpu.kernel); this is jax"
+                    f" {jax.__version__}")
 
 # Max abs error against the float64 oracle, outputs of order 1: the output's rounding plus the
 # softmax weights rounded to the query dtype for the P V wgmma.
@@ -304,6 +318,7 @@ def test_config_type_and_fields_are_checked():
             config=MosaicDecodeConfig(block_k=128, num_stages=8)), *args)
 
 
+@on_every_jax
 def test_old_jax_raises(monkeypatch):
     monkeypatch.setattr(mosaic_gpu, "jax_version", lambda: (0, 10, 2))
     with pytest.raises(ValueError, match=r"impl='mosaic' needs jax >= 0.11.2"):
@@ -336,6 +351,154 @@ def test_heuristic_config_fits_and_splits_small_batches():
             q_dtype = "bfloat16"
             assert mosaic_gpu.smem_bytes(head_dim, dtype, q_dtype, c, alibi=True) <= \
                 mosaic_gpu.MAX_SMEM_BYTES
+
+
+# --- impl="auto": the measured table, gated on what the Mosaic kernel can run ---------------------
+
+def _class_of(args) -> tuple:
+    q, k_cache, _, tables, _ = args
+    return configs.shape_class(api.decode_shape(q, k_cache, tables))
+
+
+@on_every_jax
+def test_choose_impl_reads_the_measured_table(monkeypatch):
+    """"mosaic" only where the table says so for the shape's class on this device kind and the
+    kernel can run; neighbours in the class share the entry."""
+    b1 = pp.DecodeShape(batch=1, num_kv_heads=8, group=4, head_dim=128, block_size=16,
+                        capacity=32768, cache_dtype="bfloat16")
+    neighbour = pp.DecodeShape(1, 8, 4, 128, 16, 20000, "bfloat16")  # rounds up to 32768
+    b32 = pp.DecodeShape(32, 8, 4, 128, 16, 4096, "bfloat16")
+    unmeasured = pp.DecodeShape(8, 8, 4, 128, 16, 16384, "bfloat16")
+    monkeypatch.setattr(configs, "IMPL_CHOICE", {"NVIDIA H200": {
+        configs.shape_class(b1): "mosaic", configs.shape_class(b32): "pallas"}})
+    assert configs.choose_impl(b1, "NVIDIA H200", can_run_mosaic=True) == "mosaic"
+    assert configs.choose_impl(neighbour, "NVIDIA H200", can_run_mosaic=True) == "mosaic"
+    assert configs.choose_impl(b1, "NVIDIA H200", can_run_mosaic=False) == "pallas"
+    assert configs.choose_impl(b1, "NVIDIA H100", can_run_mosaic=True) == "pallas"
+    assert configs.choose_impl(b32, "NVIDIA H200", can_run_mosaic=True) == "pallas"
+    assert configs.choose_impl(unmeasured, "NVIDIA H200", can_run_mosaic=True) == "pallas"
+    assert configs.lookup_impl(unmeasured, "NVIDIA H200") is None
+
+
+@on_every_jax
+def test_impl_choice_table_is_well_formed():
+    """Every entry names one of the two kernels under a key of `configs.shape_class`'s form."""
+    for kind, table in configs.IMPL_CHOICE.items():
+        assert isinstance(kind, str) and kind
+        for key, impl in table.items():
+            assert impl in configs.IMPL_CHOICES, (kind, key, impl)
+            dtype, *sizes = key
+            assert dtype in ("float32", "bfloat16", "float16", "float8_e4m3fn"), key
+            assert len(sizes) == 5 and sizes[3] >= 1, key
+            for i in (0, 1, 2, 4):  # head_dim, group, batch, capacity: powers of two
+                assert sizes[i] >= 1 and sizes[i] & (sizes[i] - 1) == 0, key
+
+
+@pytest.fixture
+def mosaic_measured_faster(monkeypatch):
+    """A table that prefers Mosaic for the classes of `_abstract`'s shapes on this device kind."""
+    shapes = [_abstract(), _abstract(head_dim=32), _abstract(dtype=jnp.float32)]
+    monkeypatch.setattr(configs, "IMPL_CHOICE",
+                        {api.device_kind(): {_class_of(a): "mosaic" for a in shapes}})
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """`check_device` lifted, as on a GPU of compute capability 9.0."""
+    monkeypatch.setattr(mosaic_gpu, "check_device", lambda interpret: None)
+
+
+@on_every_jax
+def test_auto_picks_mosaic_only_where_it_can_run_compiled(mosaic_measured_faster, sm90,
+                                                          monkeypatch):
+    monkeypatch.setattr(mosaic_gpu, "jax_version", lambda: mosaic_gpu.MIN_JAX)
+    q, k_cache, _, tables, _ = _abstract()
+    assert api.auto_impl(q, k_cache, tables, interpret=False) == "mosaic"
+    # Never in interpret mode (None: interpret mode exactly when there is no GPU backend).
+    assert api.auto_impl(q, k_cache, tables, interpret=True) == "pallas"
+    expected = "mosaic" if jax.default_backend() == "gpu" else "pallas"
+    assert api.auto_impl(q, k_cache, tables) == expected
+    # Shapes and dtypes the kernel refuses (head_dim 32, fp32), although the table says mosaic.
+    for args in (_abstract(head_dim=32), _abstract(dtype=jnp.float32)):
+        assert api.auto_impl(args[0], args[1], args[3], interpret=False) == "pallas"
+    # jax before the kernel's API.
+    monkeypatch.setattr(mosaic_gpu, "jax_version", lambda: (0, 11, 1))
+    assert api.auto_impl(q, k_cache, tables, interpret=False) == "pallas"
+    monkeypatch.setattr(mosaic_gpu, "jax_version", lambda: mosaic_gpu.MIN_JAX)
+    # A config (the one it would use) that does not fit the shared memory.
+    monkeypatch.setattr(mosaic_gpu, "MAX_SMEM_BYTES", 1024)
+    assert api.auto_impl(q, k_cache, tables, interpret=False) == "pallas"
+
+
+@on_every_jax
+def test_auto_compiled_needs_an_sm90_gpu(mosaic_measured_faster):
+    """Without the lift: on a CPU (or a GPU before sm_90) compiled calls get the Triton kernel."""
+    q, k_cache, _, tables, _ = _abstract()
+    try:
+        mosaic_gpu.check_device(interpret=False)
+        expected = "mosaic"
+    except ValueError:
+        expected = "pallas"
+    assert api.auto_impl(q, k_cache, tables, interpret=False) == expected
+    if jax.default_backend() != "gpu":
+        assert expected == "pallas"
+
+
+@on_every_jax
+def test_auto_follows_an_explicit_config():
+    q, k_cache, _, tables, _ = _abstract()
+    assert api.auto_impl(q, k_cache, tables, config=pp.DecodeConfig()) == "pallas"
+    assert api.auto_impl(q, k_cache, tables, config=ONE_SPLIT) == "mosaic"
+    with pytest.raises(ValueError, match="config must be a DecodeConfig, a MosaicDecodeConfig"):
+        jax.eval_shape(functools.partial(pp.decode, config=("block_k", 64)), *_abstract())
+    # A Mosaic config under "auto" is impl="mosaic", with its refusals.
+    old_jax = "needs jax >= 0.11.2"
+    with pytest.raises(ValueError, match=r"head_dim in \(64, 128\)" if KERNEL_API else old_jax):
+        jax.eval_shape(functools.partial(pp.decode, config=ONE_SPLIT, interpret=True),
+                       *_abstract(head_dim=32))
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="needs an NVIDIA GPU" if KERNEL_API else old_jax):
+            jax.eval_shape(functools.partial(pp.decode, config=ONE_SPLIT, interpret=False),
+                           *_abstract())
+
+
+@on_every_jax
+def test_unknown_impl_lists_auto():
+    with pytest.raises(ValueError, match=r"impl='triton' must be one of \('auto', 'pallas',"
+                                         r" 'xla', 'mosaic'\)"):
+        jax.eval_shape(functools.partial(pp.decode, impl="triton"), *_abstract())
+
+
+@on_every_jax
+def test_auto_in_interpret_mode_is_pallas_bit_for_bit(rng, monkeypatch):
+    """With the table preferring Mosaic for this class on this device kind, interpret mode still
+    runs the Triton kernel: the default ``impl`` equals ``impl="pallas"`` bit for bit."""
+    paged = make_paged(rng, lens=[150, 0, 1, 17], num_heads=8, num_kv_heads=2, head_dim=64,
+                       block_size=16, dtype="bfloat16", fill=np.nan)
+    args = paged.jax()
+    monkeypatch.setattr(configs, "IMPL_CHOICE", {api.device_kind(): {_class_of(args): "mosaic"}})
+    options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+               for k, v in every_option(rng, 8).items()}
+    auto, auto_lse = pp.decode(*args, interpret=True, return_lse=True, **options)
+    pallas, pallas_lse = pp.decode(*args, impl="pallas", interpret=True, return_lse=True, **options)
+    np.testing.assert_array_equal(to_numpy(auto), to_numpy(pallas))
+    np.testing.assert_array_equal(to_numpy(auto_lse), to_numpy(pallas_lse))
+
+
+def test_auto_with_a_mosaic_config_runs_the_mosaic_kernel(rng):
+    paged = make_paged(rng, lens=[40, 9], num_heads=4, num_kv_heads=2, head_dim=64,
+                       block_size=16, dtype="bfloat16")
+    auto = pp.decode(*paged.jax(), config=ONE_SPLIT, interpret=True)
+    np.testing.assert_array_equal(to_numpy(auto).astype(np.float32), mosaic(paged))
+
+
+def test_auto_lowers_to_the_mosaic_kernel_where_the_table_picks_it(mosaic_measured_faster, sm90):
+    """The whole path: with the table preferring Mosaic and an sm_90 GPU (check_device lifted),
+    ``decode``'s default, compiled, lowers for CUDA to the Mosaic GPU kernel, without a config."""
+    fn = functools.partial(pp.decode, interpret=False)
+    text = jax.jit(fn).trace(*_abstract()).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert mosaic_gpu.KERNEL_NAME in text and "xla.gpu.triton" not in text
 
 
 # --- lowered for CUDA (no GPU needed): Mosaic GPU's own lowering and layout inference run ---------

@@ -566,7 +566,10 @@ def test_heuristic_configs():
     assert decode.query_tiles(32, 32) == 32  # one program per token, none idle
     # decode rows of a prefill-sized config take 16-row short tiles, from programs of their own
     assert decode.short_block_q == 0 and spec.short_block_q == 0
-    assert prefill.short_block_q == 4 and prefill.query_tiles(8192, 4) == 8192 // 16 + 4 + 4
+    assert prefill.short_block_q == 0 and prefill.query_tiles(8192, 4) == 8192 // 16 + 4
+    mixed = get_heuristic_config(shape(2108, 64), 132)  # 4 x 512 prefill tokens + 60 decodes
+    assert mixed.block_q == 16 and mixed.short_block_q == 4
+    assert mixed.query_tiles(2108, 64) == -(-2108 // 16) + 64 + 64
 
 
 @pytest.mark.parametrize("long_programs,batch", [(2, 1), (5, 4), (9, 4), (196, 64), (7, 3)])

@@ -188,10 +188,12 @@ def test_fp8_pallas_quantizes_inside_the_kernel(rng, impl):
     assert "div" not in outside and "optimization_barrier" not in outside, sorted(outside)
     assert not token_divides, token_divides
     # The kernel divides: with XLA's div in interpret mode, with PTX div.rn.f32 on a GPU.
+    # (the inline-assembly primitive is named elementwise_inline_asm_p in some jax versions)
     division = "div" if resolve_interpret(None) else "elementwise_inline_asm"
     [kernel] = [eqn.params["jaxpr"] for eqn in _equations(jaxpr, enter_kernels=False)
                 if eqn.primitive.name == "pallas_call"]
-    assert division in _primitives(kernel, enter_kernels=True)
+    assert division in {name.removesuffix("_p") for name in _primitives(kernel,
+                                                                        enter_kernels=True)}
 
 
 @pytest.mark.parametrize("token_dtype", FP8_TOKEN_DTYPES)

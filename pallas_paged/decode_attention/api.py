@@ -1,8 +1,9 @@
 """Paged decode attention, the public function: validate, pick the implementation, call it.
 
 Implementations: ``impl="pallas"`` (``pallas_triton.py``, a Pallas kernel lowered through Triton on
-GPU, interpret mode elsewhere) and ``impl="xla"`` (``xla.py``, plain jnp). `torch_ref` defines the
-semantics (SPEC.md).
+GPU, interpret mode elsewhere), ``impl="mosaic"`` (``mosaic_gpu.py``, a Mosaic GPU kernel for
+Hopper and later) and ``impl="xla"`` (``xla.py``, plain jnp). ``impl="auto"``, the default, picks
+one of the two kernels per call (`auto_impl`). `torch_ref` defines the semantics (SPEC.md).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from pallas_paged import _validation
 from pallas_paged._platform import (device_kind, resolve_interpret, sm_count,
                                     without_triton_deprecation)
 from pallas_paged.cache_write.fp8 import scale_operand
-from pallas_paged.decode_attention import configs
+from pallas_paged.decode_attention import configs, mosaic_gpu
 from pallas_paged.decode_attention.configs import DecodeConfig, DecodeShape, MosaicDecodeConfig
 from pallas_paged.decode_attention.mosaic_gpu import decode_mosaic
 from pallas_paged.decode_attention.pallas_triton import decode_pallas
 from pallas_paged.decode_attention.xla import decode_xla
 
-DECODE_IMPLS = ("pallas", "xla", "mosaic")
+DECODE_IMPLS = ("auto", "pallas", "xla", "mosaic")
 
 
 def decode_shape(q, k_cache, block_tables) -> DecodeShape:
@@ -33,6 +34,43 @@ def decode_shape(q, k_cache, block_tables) -> DecodeShape:
     return DecodeShape(batch=batch, num_kv_heads=kvh, group=num_heads // kvh, head_dim=head_dim,
                        block_size=block_size, capacity=block_tables.shape[1] * block_size,
                        cache_dtype=jnp.dtype(k_cache.dtype).name)
+
+
+def auto_impl(q, k_cache, block_tables, *, interpret: bool | None = None, config=None) -> str:
+    """The kernel ``decode(..., impl="auto")`` runs for this call: ``"mosaic"`` or ``"pallas"``.
+
+    An explicit ``config`` decides by its type: a `DecodeConfig` means ``"pallas"``, a
+    `MosaicDecodeConfig` ``"mosaic"`` (which then raises its usual ValueError if it cannot run the
+    call). Without one, ``"mosaic"`` exactly when both hold:
+
+    - the measured table says it is the faster kernel for this call's shape class on this device
+      kind (`configs.choose_impl`, `configs.IMPL_CHOICE`);
+    - the Mosaic kernel can run this call compiled: not in interpret mode (``interpret``, None
+      meaning "when there is no GPU backend"), jax >= 0.11.2, a GPU of compute capability >= 9.0,
+      and `mosaic_gpu.check_supported` passing for the config it would use (the tuned table's or
+      the heuristic's). It takes every option `decode` has (soft-cap, ALiBi, window, sinks, fp8
+      scales, ``return_lse``), so the options add no condition.
+
+    Everywhere else ``"pallas"``, the Triton kernel (interpret mode on a CPU, as before ``"auto"``
+    existed). Reads only ``.shape`` and ``.dtype`` of the arrays, so it runs at trace time.
+
+    Raises:
+      ValueError: for a ``config`` that is neither None nor one of the two config types.
+    """
+    if config is not None:
+        if isinstance(config, MosaicDecodeConfig):
+            return "mosaic"
+        if isinstance(config, DecodeConfig):
+            return "pallas"
+        raise ValueError(f"config must be a DecodeConfig, a MosaicDecodeConfig or None for"
+                         f" impl='auto', got {type(config).__name__}")
+    shape = decode_shape(q, k_cache, block_tables)
+    kind = device_kind()
+    can_run_mosaic = False
+    if not resolve_interpret(interpret):
+        mosaic_config = configs.lookup_mosaic(shape, kind, sm_count())
+        can_run_mosaic = mosaic_gpu.refusal(q, k_cache, mosaic_config, interpret=False) is None
+    return configs.choose_impl(shape, kind, can_run_mosaic)
 
 
 @without_triton_deprecation
@@ -51,9 +89,9 @@ def decode(
     k_scale: float | jax.Array | None = None,
     v_scale: float | jax.Array | None = None,
     return_lse: bool = False,
-    impl: str = "pallas",
+    impl: str = "auto",
     interpret: bool | None = None,
-    config: DecodeConfig | None = None,
+    config: DecodeConfig | MosaicDecodeConfig | None = None,
 ):
     """Paged decode attention: each sequence's single query over its cached K/V.
 
@@ -88,13 +126,16 @@ def decode(
         ``f32[]`` arrays (shape ``(1,)`` accepted), operands of the program (one compiled program
         for every value).
       return_lse: also return ``lse f32[batch, num_heads]`` (``-inf`` for ``n == 0``).
-      impl: ``"pallas"`` (the Triton kernel; it cannot address fp8 caches of 2**31 to 2**32
-        elements: ValueError), ``"xla"`` (plain jnp, the readable reference) or ``"mosaic"`` (the
-        Mosaic GPU kernel, ``mosaic_gpu.py``: jax >= 0.11.2, sm_90+, bf16/fp16 queries, head_dim
-        64 or 128).
+      impl: ``"auto"`` (the default: ``"mosaic"`` where it measured faster than ``"pallas"`` for
+        this shape class on this device kind and can run the call compiled, else ``"pallas"``;
+        an explicit ``config`` picks the kernel of its type; see `auto_impl`), ``"pallas"`` (the
+        Triton kernel; it cannot address fp8 caches of 2**31 to 2**32 elements: ValueError),
+        ``"xla"`` (plain jnp, the readable reference) or ``"mosaic"`` (the Mosaic GPU kernel,
+        ``mosaic_gpu.py``: jax >= 0.11.2, sm_90+, bf16/fp16 queries, head_dim 64 or 128).
       interpret: Pallas interpret mode; None means exactly when there is no GPU backend.
-      config: kernel knobs (`DecodeConfig`; `MosaicDecodeConfig` for ``"mosaic"``); None takes the
-        tuned table's entry for this shape class, or the heuristic.
+      config: kernel knobs (`DecodeConfig` for ``"pallas"``, `MosaicDecodeConfig` for
+        ``"mosaic"``, either for ``"auto"``); None takes the tuned table's entry for this shape
+        class, or the heuristic.
 
     Returns:
       ``out [batch, num_heads, head_dim]`` in ``q.dtype``, or ``(out, lse)`` with ``return_lse``.
@@ -109,6 +150,8 @@ def decode(
                    sliding_window=sliding_window, sinks=sinks)
     _validation.static_validate_decode(q, k_cache, v_cache, block_tables, context_lens,
                                        k_scale=k_scale, v_scale=v_scale, **options)
+    if isinstance(impl, str) and impl == "auto":
+        impl = auto_impl(q, k_cache, block_tables, interpret=interpret, config=config)
     _validation.static_validate_call(
         k_cache, impl=impl, impls=DECODE_IMPLS, return_lse=return_lse, interpret=interpret,
         config=config, config_type=MosaicDecodeConfig if impl == "mosaic" else DecodeConfig)

@@ -5,7 +5,10 @@ A shape class rounds the static facts of a call up to powers of two, so that one
 covers its neighbours: ``(cache dtype, head_dim, group, block_size, batch, capacity)``. The table is
 keyed by the device kind JAX reports (``jax.devices()[0].device_kind``, e.g. ``"NVIDIA H200"``);
 entries are measured with ``python -m benchmarks.bench --tune``. On any other device, or for a
-shape class not in the table, `lookup` returns the heuristic config.
+shape class not in the table, `lookup` returns the heuristic config. The Mosaic GPU kernel has the
+same three parts (`MosaicDecodeConfig`, `get_mosaic_heuristic_config`, `MOSAIC_TUNED` /
+`lookup_mosaic`), and a last table, `IMPL_CHOICE`, records per device kind and shape class which
+of the two kernels measured faster: `choose_impl` reads it for ``decode(..., impl="auto")``.
 """
 
 from __future__ import annotations
@@ -177,3 +180,34 @@ def lookup_mosaic(shape: DecodeShape, device_kind: str, sm_count: int) -> Mosaic
     """The tuned Mosaic config of ``shape``'s class on ``device_kind``, else the heuristic one."""
     config = MOSAIC_TUNED.get(device_kind, {}).get(shape_class(shape))
     return config if config is not None else get_mosaic_heuristic_config(shape, sm_count)
+
+
+# --- which kernel decode(impl="auto") runs ------------------------------------------------------
+
+IMPL_CHOICES = ("mosaic", "pallas")
+
+# device kind -> shape class -> the faster of the two kernels there ("mosaic" or "pallas").
+# Measured with `python -m benchmarks.bench` (its mosaic and pallas rows of one run, each kernel
+# with the config decode picks); the run prints these entries ("mosaic" where it was at least 2%
+# faster on every shape of the class) beside its AUTO table of classes and speed ratios.
+# Empty: on an NVIDIA H200 (2026-12-01) the Mosaic kernel beat the Triton one only at B=1/ctx 32768
+# (bf16, D=128, group 4, block_size 16: 1.05x) and was slower elsewhere; the entries wait for a
+# run of the benchmark with both kernels side by side.
+IMPL_CHOICE: dict[str, dict[tuple, str]] = {}
+
+
+def lookup_impl(shape: DecodeShape, device_kind: str) -> str | None:
+    """The kernel measured faster for ``shape``'s class on ``device_kind`` (`IMPL_CHOICE`), or
+    None where nothing was measured."""
+    return IMPL_CHOICE.get(device_kind, {}).get(shape_class(shape))
+
+
+def choose_impl(shape: DecodeShape, device_kind: str, can_run_mosaic: bool) -> str:
+    """What ``decode(..., impl="auto")`` runs for ``shape`` when no config is given.
+
+    ``"mosaic"`` where `IMPL_CHOICE` records it as the faster kernel for ``shape``'s class on
+    ``device_kind`` and ``can_run_mosaic`` (the Mosaic kernel can run this call compiled: see
+    `pallas_paged.decode_attention.api.auto_impl`); ``"pallas"`` everywhere else, unmeasured
+    classes and devices included.
+    """
+    return "mosaic" if can_run_mosaic and lookup_impl(shape, device_kind) == "mosaic" else "pallas"

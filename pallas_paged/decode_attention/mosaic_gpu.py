@@ -93,12 +93,17 @@ def jax_version() -> tuple[int, ...]:
     return tuple(parts)
 
 
-def _plgpu():
-    """``jax.experimental.pallas.mosaic_gpu``, or ValueError where its API is not the one used."""
+def check_jax() -> None:
+    """ValueError unless this jax has the ``plgpu.kernel`` API the kernel is written for."""
     if jax_version() < MIN_JAX:
         raise ValueError(
             f"impl='mosaic' needs jax >= {'.'.join(map(str, MIN_JAX))} (plgpu.kernel), found"
             f" jax {jax.__version__}: use impl='pallas' or impl='xla'")
+
+
+def _plgpu():
+    """``jax.experimental.pallas.mosaic_gpu``, or ValueError where its API is not the one used."""
+    check_jax()
     from jax.experimental.pallas import mosaic_gpu as plgpu
     return plgpu
 
@@ -151,6 +156,23 @@ def check_supported(q, k_cache, config: MosaicDecodeConfig) -> None:
     if num_heads // kvh > MMA_ROWS:
         raise ValueError(f"impl='mosaic' supports up to {MMA_ROWS} query heads per kv head, got"
                          f" {q.shape=} with {k_cache.shape=}: use impl='pallas'")
+
+
+def refusal(q, k_cache, config: MosaicDecodeConfig, interpret: bool) -> str | None:
+    """Why `decode_mosaic` would refuse this call (the message of its ValueError), or None.
+
+    The checks `decode_mosaic` makes, in its order, without raising: the jax version
+    (`check_jax`), the shapes and dtypes for ``config`` (`check_supported`), then the device for
+    ``interpret`` (`check_device`). Reads only ``.shape`` and ``.dtype`` of ``q`` and ``k_cache``
+    (`jax.ShapeDtypeStruct` will do), so callers can ask before building any input.
+    """
+    try:
+        check_jax()
+        check_supported(q, k_cache, config)
+        check_device(interpret)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _paged_decode_kernel(

@@ -20,6 +20,10 @@ from pallas_paged._platform import next_power_of_2
 
 MIN_DOT_ROWS = 16  # the smallest M of a Triton dot
 MAX_DOT_ROWS = 64  # query tokens x GQA group per program at most (the heuristic's choice)
+# Short tiles (`AttentionConfig.short_block_q`) where the average query length is below this: a
+# batch with many sequences per token is a mixed one (1.06x on the H200's mixed batch), while on
+# long prompts alone the second tile space costs 2-3% (docs/BENCHMARKS.md).
+SHORT_TILES_BELOW_AVG_Q = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +133,10 @@ def get_heuristic_config(shape: AttentionShape, sm_count: int) -> AttentionConfi
     the H200 these beat 128 rows / 8 warps / 2 stages by 1.07x on a 4 x 2048 prefill, 1.18x on a
     mixed batch and 1.19x on a 2048-token chunk over 32K: docs/BENCHMARKS.md); K/V tiles of 64
     tokens (32 for head_dim > 128), or decode's tile rule when the dots have the minimum 16 rows.
-    Where ``block_q`` tiles have more than the minimum rows, sequences short enough to fill a
-    minimum 16-row tile take short tiles (``short_block_q``): a decode row in a mixed batch then
-    pads a 16-row dot, not a 64-row one.
+    Where ``block_q`` tiles have more than the minimum rows and the average query length is
+    below `SHORT_TILES_BELOW_AVG_Q` (a mixed batch), sequences short enough to fill a minimum
+    16-row tile take short tiles (``short_block_q``): a decode row then pads a 16-row dot, not a
+    64-row one.
     """
     itemsize = jnp.dtype(shape.cache_dtype).itemsize
     padded_dim = next_power_of_2(shape.head_dim)
@@ -147,7 +152,8 @@ def get_heuristic_config(shape: AttentionShape, sm_count: int) -> AttentionConfi
     short_block_q = max(1, MIN_DOT_ROWS // next_power_of_2(shape.group))
     return AttentionConfig(
         block_q=block_q,
-        short_block_q=short_block_q if short_block_q < block_q else 0,
+        short_block_q=(short_block_q if short_block_q < block_q
+                       and avg_q < SHORT_TILES_BELOW_AVG_Q else 0),
         block_k=block_k,
         num_splits=_num_splits(shape, block_q, block_k, sm_count),
         num_warps=8 if padded_dim > 128 else 4,
