@@ -199,29 +199,34 @@ def compile_all(variants: list[Variant], threads: int) -> None:
             list(pool.map(work, todo))
 
 
-def repeated(call, copies: int, reps: int):
-    """A jitted ``f(qs, k, v, tables, lens, *extra)`` (``qs``, ``tables``: lists of the copies'
-    arrays): ``reps`` calls of ``call`` in straight-line code, call ``i`` on copy ``i % copies``,
-    every output returned (so none is dropped). XLA launches them back to back with no host round
-    trip between calls, where a ``fori_loop`` would copy its condition to the host every
-    iteration (17.6 us per iteration on an H200 for a body of one small fusion,
-    ``python -m benchmarks.decode_anatomy``); the last output is that of copy
-    ``(reps - 1) % copies``."""
+def repeated(call, reps: int):
+    """A jitted ``f(qs, k, v, tables, lens, *extra)`` (``qs``, ``tables``: lists of ``reps``
+    arrays, see `per_call`): ``reps`` calls of ``call`` in straight-line code, call ``i`` on
+    ``qs[i]`` and ``tables[i]``, every output returned (so none is dropped). XLA launches them back
+    to back with no host round trip between calls, where a ``fori_loop`` would copy its condition
+    to the host every iteration (17.6 us per iteration on an H200 for a body of one small fusion,
+    ``python -m benchmarks.decode_anatomy``)."""
 
     def run(qs, k, v, tables, lens, *extra):
-        return tuple(call(qs[i % copies], k, v, tables[i % copies], lens, *extra)
-                     for i in range(reps))
+        return tuple(call(qs[i], k, v, tables[i], lens, *extra) for i in range(reps))
 
     return jax.jit(run)
 
 
-def loop_probe(copies: int, reps: int):
-    """`repeated`'s calls with a body that only reads its copy's q and table into one small
-    fusion: its time per call is what launching a call costs, included in every "loop" figure."""
+def per_call(stacked, copies: int, reps: int) -> list:
+    """``reps`` arrays for `repeated`'s calls: call ``i`` gets its own device copy of
+    ``stacked[i % copies]``. Calls on one copy's same arrays would be identical pure computations,
+    which XLA merges into one (common-subexpression elimination), so each call has its own query
+    array (the tables may be shared: one differing operand keeps calls apart)."""
+    return [jnp.array(stacked[i % copies], copy=True) for i in range(reps)]
+
+
+def loop_probe(reps: int):
+    """`repeated`'s calls with a body that only reads its q and table into one small fusion: its
+    time per call is what launching a call costs, included in every "loop" figure."""
 
     def run(qs, tables):
-        return tuple(qs[i % copies].astype(jnp.float32) + tables[i % copies][:, :1, None]
-                     for i in range(reps))
+        return tuple(qs[i].astype(jnp.float32) + tables[i][:, :1, None] for i in range(reps))
 
     return jax.jit(run)
 
@@ -495,13 +500,14 @@ class ShapeBench:
         tables = inputs.block_tables if tables is None else tables
         if self.mode == "dispatch":
             return (q[0], inputs.k_cache, inputs.v_cache, tables[0], inputs.context_lens)
-        return ([q[i] for i in range(self.copies)], inputs.k_cache, inputs.v_cache,
-                [tables[i] for i in range(self.copies)], inputs.context_lens)
+        shared_tables = [tables[i] for i in range(self.copies)]
+        return (per_call(q, self.copies, self.reps), inputs.k_cache, inputs.v_cache,
+                [shared_tables[i % self.copies] for i in range(self.reps)], inputs.context_lens)
 
     def _wrap(self, call):
         if self.mode == "dispatch":
             return jax.jit(call)
-        return repeated(call, self.copies, self.reps)
+        return repeated(call, self.reps)
 
     def _decode_variant(self, impl, label, call, args, config=None) -> Variant:
         fn = self._wrap(call)
@@ -585,11 +591,9 @@ class ShapeBench:
                                     "status": "error", "error": _error(e)})
         probe = None
         if self.mode == "loop" and variants:
-            copies = range(self.copies)
-            probe = Variant(impl="probe", label="loop overhead",
-                            fn=loop_probe(self.copies, self.reps),
-                            args=([inputs.q[i] for i in copies],
-                                  [inputs.block_tables[i] for i in copies]),
+            probe = Variant(impl="probe", label="loop overhead", fn=loop_probe(self.reps),
+                            args=(per_call(inputs.q, self.copies, self.reps),
+                                  per_call(inputs.block_tables, self.copies, self.reps)),
                             ops_per_call=self.reps, pooled=False)
             variants.append(probe)
 
@@ -658,7 +662,7 @@ class ShapeBench:
             try:
                 out = v.compiled(*v.args)
                 jax.block_until_ready(out)
-                if isinstance(out, tuple):  # loop mode: the last call's output, the last copy's
+                if isinstance(out, tuple):  # loop mode: the last call's, on the last copy
                     out = out[-1]
                 if self.ref is not None:
                     row.update(compare(out[: self.ref_rows], self.ref), reference=self.ref_kind)

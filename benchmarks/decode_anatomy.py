@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 import pallas_paged as pp
-from benchmarks.bench import ROTATE_BYTES, Settings, compare, smoke_settings
+from benchmarks.bench import ROTATE_BYTES, Settings, compare, per_call, smoke_settings
 from benchmarks.timing import describe_error, jsonable, measure, measure_copy_bandwidth
 from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
 from pallas_paged._platform import device_kind, sm_count
@@ -49,29 +49,37 @@ SMOKE_SHAPES = ("small_b2_ctx64", "small_fp8_b2_ctx64")
 
 
 def config_variants(default: pp.DecodeConfig, fp8: bool) -> list:
-    """A few configs around ``default``: split counts, tiles, warps, stages."""
+    """Configs around ``default``: split counts and tiles (for fp8 caches smaller tiles too, which
+    hold fewer registers: ``Nsight Compute`` found the 128-token fp8 tile at 255 registers per
+    thread, two programs per multiprocessor), then warps and stages."""
     out = []
-    for splits in sorted({max(1, default.num_splits // 2), default.num_splits,
-                          default.num_splits * 2}):
-        for block_k in sorted({default.block_k, 128 if fp8 else 2 * default.block_k}):
-            out.append(dataclasses.replace(default, num_splits=splits, block_k=block_k))
-    for warps, stages in ((8, default.num_stages), (default.num_warps, 3),
-                          (default.num_warps, 4)):
-        out.append(dataclasses.replace(default, num_warps=warps, num_stages=stages))
     if fp8:
-        out.append(dataclasses.replace(default, block_k=256, num_warps=8))
+        for block_k in (32, 64, 128):
+            for splits in (1, 2, 4):
+                out.append(dataclasses.replace(default, block_k=block_k, num_splits=splits))
+        out += [dataclasses.replace(default, block_k=64, num_splits=2, num_warps=8),
+                dataclasses.replace(default, block_k=64, num_splits=2, num_stages=3)]
+    else:
+        for splits in sorted({max(1, default.num_splits // 2), default.num_splits,
+                              default.num_splits * 2}):
+            for block_k in sorted({default.block_k, 2 * default.block_k}):
+                out.append(dataclasses.replace(default, num_splits=splits, block_k=block_k))
+        out += [dataclasses.replace(default, num_warps=8),
+                dataclasses.replace(default, num_stages=3)]
     return [c for c in dict.fromkeys(out) if c != default]
 
 
 def _empty_kernel(lens_ref,  # i32[batch]
+                  q_ref,     # [batch, num_heads, head_dim], not read
                   out_ref,   # f32[batch, kvh, splits]
                   ):
     """One store per program: what launching decode's grid costs."""
+    del q_ref  # an operand only, so that calls on different queries stay different calls
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     out_ref[b, h, split] = lens_ref[b].astype(jnp.float32)
 
 
-def empty_call(k_cache, block_tables, context_lens, *, config: pp.DecodeConfig,
+def empty_call(q, k_cache, block_tables, context_lens, *, config: pp.DecodeConfig,
                interpret: bool):
     """`_empty_kernel` on decode's grid ``(batch, kvh, splits)`` for ``config``."""
     kvh = k_cache.shape[2]
@@ -81,7 +89,7 @@ def empty_call(k_cache, block_tables, context_lens, *, config: pp.DecodeConfig,
         out_shape=jax.ShapeDtypeStruct((batch, kvh, config.num_splits), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret, name="anatomy_empty",
-    )(context_lens)
+    )(context_lens, q)
 
 
 def contiguous_tables(tables: np.ndarray, block_size: int, lens: np.ndarray) -> np.ndarray:
@@ -120,33 +128,34 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool) -> list
                 pp.decode(inputs.q[0], kc, vc, tables[0], lens, impl="xla", **scales))
         return references[id(tables)]
     scale = 1.0 / float(np.sqrt(shape.head_dim))
-    qs_all = [inputs.q[i] for i in range(copies)]
-    tables_all = [inputs.block_tables[i] for i in range(copies)]
-    contiguous = [contiguous[i] for i in range(copies)]
     reps = copies * max(1, -(-s.loop_ops // copies))
+    qs_all = per_call(inputs.q, copies, reps)  # each call its own q: no call merged with another
+    tables_all = [inputs.block_tables[i % copies] for i in range(reps)]
+    contiguous = [contiguous[i % copies] for i in range(reps)]
     rows = []
 
-    def timed(label, fn, tables_of=tables_all, shared=(), check=False, config=None):
-        """Time ``fn(q, table, *shared)`` as `benchmarks.bench` does in loop mode: ``reps``
-        straight-line calls in one jitted program, call ``i`` on copy ``i % copies``; the first
-        call's output is checked against the reference when ``check``."""
+    def timed(label, fn, firsts=qs_all, tables_of=tables_all, check=False, config=None):
+        """Time ``fn(firsts[i], tables_of[i])`` as `benchmarks.bench` does in loop mode: ``reps``
+        straight-line calls in one jitted program (``firsts[i]`` is call ``i``'s own array, so
+        XLA cannot merge calls); the first call's output is checked against the reference when
+        ``check``."""
         row = {"shape": name, "variant": label, "config": None if config is None else
                dataclasses.asdict(config)}
         try:
-            def run(qs, ts, *args):  # straight-line calls: no host round trip between them
-                return tuple(fn(qs[i % copies], ts[i % copies], *args) for i in range(reps))
+            def run(qs, ts):  # straight-line calls: no host round trip between them
+                return tuple(fn(qs[i], ts[i]) for i in range(reps))
 
             compiled = jax.jit(run)
             if check:
-                err = compare(jax.jit(fn)(qs_all[0], tables_of[0], *shared), reference(tables_of))
+                err = compare(jax.jit(fn)(firsts[0], tables_of[0]), reference(tables_of))
                 row["rel_err"] = err["rel_err"]
                 if not err["correct"]:
                     row["status"] = "WRONG"
                     rows.append(row)
                     print(f"  {label:44s} WRONG rel_err={err['rel_err']:.2e}", flush=True)
                     return
-            jax.block_until_ready(compiled(qs_all, tables_of, *shared))
-            timing = measure(lambda: compiled(qs_all, tables_of, *shared), reps, s)
+            jax.block_until_ready(compiled(firsts, tables_of))
+            timing = measure(lambda: compiled(firsts, tables_of), reps, s)
             row.update(status="ok", median_us=timing.median_us,
                        of_copy=nbytes / (timing.median_us * 1e-6) / 1e12 / copy_tbps)
             print(f"  {label:44s} {timing.median_us:9.1f} us  {row['of_copy']:.3f} of copy",
@@ -159,7 +168,6 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool) -> list
     def decode_fn(config):
         return lambda q, t: pp.decode(q, kc, vc, t, lens, config=config, interpret=interpret,
                                       **scales)
-
 
     kernel_kwargs = dict(scale=scale, interpret=interpret, logits_soft_cap=None,
                          alibi_slopes=None, sliding_window=None, sinks=None,
@@ -178,10 +186,11 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool) -> list
               config=default)
         partials = jax.jit(lambda q, t: kernel(q, kc, vc, t, lens))(qs_all[0], tables_all[0])
         n = jnp.asarray(inputs.context_lens_np, jnp.int32)
-        timed("merge only", lambda q, t, o, m, l: _merge_splits(o, m, l, n, None)[0],
-              shared=partials)
+        o, m, l = partials
+        timed("merge only", lambda o, ml: _merge_splits(o, *ml, n, None)[0],
+              firsts=per_call(o[None], 1, reps), tables_of=[(m, l)] * reps)
     timed("empty kernel (launch only)",
-          lambda q, t: empty_call(kc, t, lens, config=default, interpret=interpret))
+          lambda q, t: empty_call(q, kc, t, lens, config=default, interpret=interpret))
     for config in config_variants(default, shape.is_fp8):
         label = (f"decode bk{config.block_k} s{config.num_splits} w{config.num_warps}"
                  f" st{config.num_stages}")

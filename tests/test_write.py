@@ -384,3 +384,24 @@ def test_donation_recipe_takes_every_keyword(rng, impl):
         np.testing.assert_array_equal(bits(got_v), bits(expected_v))
         sizes.append(write._cache_size())  # jit objects of one function share their cache
     assert sizes[1] == sizes[0]
+
+
+@pytest.mark.parametrize("scale", [0.03, 1.7, 0.25, 3.0, 417.3])
+def test_fp8_quotient_correction_recovers_the_ieee_quotient(rng, scale):
+    """`correct_quotient` turns any fp32 quotient within 2 ulps of x / scale (what XLA computes:
+    x * (1 / s), or PTX's div.full.f32 on a GPU) into the correctly rounded one (numpy's)."""
+    from pallas_paged.cache_write.fp8 import correct_quotient, divide_rn
+
+    n = 200_000
+    x = (rng.standard_normal(n) * np.exp2(rng.integers(-30, 30, n))).astype(np.float32)
+    x[:4] = [0.0, -0.0, np.inf, np.nan]
+    s = np.float32(scale)
+    exact = x / s
+    correct = jax.jit(correct_quotient)
+    for ulps in (-2, -1, 0, 1, 2):
+        approx = np.where(np.isfinite(exact) & (exact != 0),
+                          (exact.view(np.int32) + ulps).view(np.float32), exact)
+        got = np.asarray(correct(jnp.asarray(x), jnp.asarray(s), jnp.asarray(approx)))
+        np.testing.assert_array_equal(got.view(np.int32), exact.view(np.int32))
+    got = np.asarray(jax.jit(divide_rn)(jnp.asarray(x), jnp.asarray(s)))
+    np.testing.assert_array_equal(got.view(np.int32), exact.view(np.int32))

@@ -31,20 +31,74 @@ def quantize_fp8(x: jax.Array, scale) -> jax.Array:
 
     Args:
       x: any float array.
-      scale: a python float or an ``f32[]`` / ``f32[1]`` array (traced or not).
+      scale: a python float or an ``f32[]`` / ``f32[1]`` array (traced or not), ``> 0``.
 
-    The division must be one IEEE fp32 division per element, as in torch, for the caches to be
-    bit-identical. XLA rewrites ``x / broadcast(s)`` into ``x * broadcast(1 / s)``, which rounds
-    differently, for a traced ``s`` as for a constant one; so the divisor is broadcast to ``x``'s
-    shape behind an optimization barrier, which XLA cannot see through. The quotient is then
-    rounded onto the fp8 grid in fp32 (`round_to_fp8_grid`), so that the cast itself is exact
-    whatever route a backend's conversion takes.
+    The quotient must be the correctly rounded fp32 one, as torch's, for the caches to be
+    bit-identical; XLA's division is not (it may become ``x * (1 / s)``, and on a GPU it is PTX's
+    approximate ``div.full.f32``), so `divide_rn` corrects it. The quotient is then rounded onto
+    the fp8 grid in fp32 (`round_to_fp8_grid`), so that the cast itself is exact whatever route a
+    backend's conversion takes.
     """
     scale = jnp.reshape(jnp.asarray(scale, jnp.float32), ())
-    divisor = jax.lax.optimization_barrier(jnp.broadcast_to(scale, x.shape))
-    scaled = x.astype(jnp.float32) / divisor
+    scaled = divide_rn(x.astype(jnp.float32), scale)
     scaled = jnp.where(scaled > FP8_MAX, FP8_MAX, jnp.where(scaled < -FP8_MAX, -FP8_MAX, scaled))
     return round_to_fp8_grid(scaled).astype(jnp.float8_e4m3fn)
+
+
+# `divide_rn` corrects quotients of magnitude and divisors inside this range (products and half
+# ulps stay normal fp32 numbers); fp8 needs |x / s| from 2**-10 (its last rounding tie) to 448.
+EXACT_RANGE = (2.0**-60, 2.0**60)
+
+
+def divide_rn(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x / scale`` correctly rounded (IEEE fp32 round to nearest even), for fp32 ``x`` and an
+    ``f32[]`` ``scale > 0``, from whatever quotient XLA computes (`correct_quotient`)."""
+    return correct_quotient(x, scale, x / scale)
+
+
+def correct_quotient(x: jax.Array, scale: jax.Array, q: jax.Array) -> jax.Array:
+    """The correctly rounded ``x / scale`` from ``q``, an fp32 quotient within 2 ulps of it.
+
+    Two steps of: compute the residual ``|x| - |q| * scale`` exactly (``x - p`` with ``p =
+    RN(|q| scale)`` is exact by Sterbenz's lemma, and ``|q| scale - p`` is exact by Dekker's
+    product, with ``q`` and ``scale`` split into 12-bit halves by masking, so every partial
+    product is exact and a fused multiply-add changes nothing), then move ``q`` one ulp toward
+    the true quotient when the residual is beyond half an ulp (times ``scale``), ties to even. A
+    step moves a quotient 2 ulps off by one ulp and leaves one within an ulp exact. Quotients or
+    divisors outside `EXACT_RANGE`, zeros, infinities and NaN are returned as ``q`` is.
+    """
+    for _ in range(2):
+        q = _nudge_quotient(x, scale, q)
+    return q
+
+
+def _high_half(v):
+    """``v`` with its 12 low mantissa bits cleared: 12 significant bits, and ``v - high`` has
+    at most 12 too."""
+    bits = jax.lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFFF000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _nudge_quotient(x, s, q):
+    """One correction step of `correct_quotient`."""
+    ax, aq = jnp.abs(x), jnp.abs(q)
+    p = aq * s
+    qh, sh = _high_half(aq), _high_half(s)
+    ql, sl = aq - qh, s - sh
+    err = (((qh * sh - p) + qh * sl) + ql * sh) + ql * sl  # aq * s - p, exactly
+    r = (ax - p) - err  # |x| - |q| * s, exactly
+    bits = jax.lax.bitcast_convert_type(aq, jnp.uint32)
+    ulp = jax.lax.bitcast_convert_type(bits & jnp.uint32(0x7F800000), jnp.float32) * 2.0**-23
+    ulp_below = jnp.where(bits & jnp.uint32(0x7FFFFF), ulp, ulp * 0.5)  # a power of two's gap
+    half_up, half_down = s * (ulp * 0.5), s * (ulp_below * 0.5)
+    odd = (bits & jnp.uint32(1)) == 1
+    up = (r > half_up) | ((r == half_up) & odd)
+    down = (r < -half_down) | ((r == -half_down) & odd)
+    moved = jnp.where(up, bits + jnp.uint32(1), jnp.where(down, bits - jnp.uint32(1), bits))
+    nudged = jnp.copysign(jax.lax.bitcast_convert_type(moved, jnp.float32), q)
+    lo, hi = EXACT_RANGE
+    ok = (aq >= lo) & (aq <= hi) & (s >= lo) & (s <= hi)  # False for NaN, inf and zeros
+    return jnp.where(ok, nudged, q)
 
 
 def round_to_fp8_grid(x: jax.Array) -> jax.Array:

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_paged._platform import next_power_of_2
-from pallas_paged.cache_write.fp8 import FP8_MAX
+from pallas_paged.cache_write.fp8 import FP8_MAX, divide_rn
 
 
 def _divide_rn(x, scale, *, interpret: bool):
@@ -32,13 +32,11 @@ def _divide_rn(x, scale, *, interpret: bool):
 
     Triton lowers ``/`` to the approximate ``div.full.f32``, so the GPU divides with PTX
     ``div.rn.f32`` through inline assembly. Interpret mode cannot lower inline assembly: there the
-    body runs as XLA, which rewrites ``x / broadcast(s)`` into ``x * broadcast(1 / s)`` (rounded
-    differently), so the divisor is the tile-sized broadcast behind an optimization barrier, which
-    XLA cannot see through.
+    body runs as XLA, whose division is corrected as the XLA write path's is (`divide_rn`).
     """
-    divisor = jnp.full(x.shape, scale, jnp.float32)  # [Tw, C]
     if interpret:
-        return x / jax.lax.optimization_barrier(divisor)
+        return divide_rn(x, scale)
+    divisor = jnp.full(x.shape, scale, jnp.float32)  # [Tw, C]
     [quotient] = plgpu.elementwise_inline_asm(
         "div.rn.f32 $0, $1, $2;",
         args=[x, divisor],
