@@ -7,8 +7,10 @@ Run ``python -m benchmarks.decode_anatomy [--shapes a,b] [--json PATH] [--smoke]
 - ``decode``: `pallas_paged.decode` with the config it picks (the reference time);
 - ``decode, contiguous pages``: the same with the physical blocks of every sequence in order
   (the page-table gather then reads neighbouring rows): what the random layout costs;
-- ``kernel only`` / ``merge only``: the Pallas kernel without the split merge, and the merge (an
-  XLA fusion) alone on the kernel's partial results: what the second launch costs;
+- ``kernel only`` / ``merge only``: the Pallas kernel without the split merge, and the merge
+  alone on the kernel's partial results (the Pallas merge kernel `decode` runs, and XLA's
+  reductions, `_merge_splits`): what the second launch costs; ``kernel + the XLA merge``: decode
+  as it was with XLA's merge;
 - ``loop overhead``: the calls of a trivial body (one small fusion) launched the same way;
 - ``empty kernel``: a kernel on the same grid that only stores one value per program: launch and
   scheduling cost;
@@ -42,7 +44,8 @@ from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
 from pallas_paged._platform import device_kind, sm_count
 from pallas_paged.decode_attention import configs
 from pallas_paged.decode_attention.api import decode_shape
-from pallas_paged.decode_attention.pallas_triton import _merge_splits, decode_kernel_call
+from pallas_paged.decode_attention.pallas_triton import (_merge_splits, decode_kernel_call,
+                                                         merge_splits_pallas)
 
 SHAPES = ("b1_ctx32768", "fp8_b32_ctx4096", "b32_ctx4096")
 SMOKE_SHAPES = ("small_b2_ctx64", "small_fp8_b2_ctx64")
@@ -187,7 +190,14 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool) -> list
         partials = jax.jit(lambda q, t: kernel(q, kc, vc, t, lens))(qs_all[0], tables_all[0])
         n = jnp.asarray(inputs.context_lens_np, jnp.int32)
         o, m, l = partials
-        timed("merge only", lambda o, ml: _merge_splits(o, *ml, n, None)[0],
+        timed("kernel + the XLA merge",
+              lambda q, t: _merge_splits(*kernel(q, kc, vc, t, lens), n, None)[0].astype(
+                  q.dtype).reshape(q.shape), check=True, config=default)
+        timed("merge only (XLA)", lambda o, ml: _merge_splits(o, *ml, n, None)[0],
+              firsts=per_call(o[None], 1, reps), tables_of=[(m, l)] * reps)
+        timed("merge only (Pallas kernel)",
+              lambda o, ml: merge_splits_pallas(o, *ml, n, None, out_dtype=inputs.q.dtype,
+                                                interpret=interpret)[0],
               firsts=per_call(o[None], 1, reps), tables_of=[(m, l)] * reps)
     timed("empty kernel (launch only)",
           lambda q, t: empty_call(q, kc, t, lens, config=default, interpret=interpret))

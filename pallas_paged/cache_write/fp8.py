@@ -62,7 +62,9 @@ def correct_quotient(x: jax.Array, scale: jax.Array, q: jax.Array) -> jax.Array:
     Two steps of: compute the residual ``|x| - |q| * scale`` exactly (``x - p`` with ``p =
     RN(|q| scale)`` is exact by Sterbenz's lemma, and ``|q| scale - p`` is exact by Dekker's
     product, with ``q`` and ``scale`` split into 12-bit halves by masking, so every partial
-    product is exact and a fused multiply-add changes nothing), then move ``q`` one ulp toward
+    product is exact and a fused multiply-add of one changes nothing; ``p`` itself is computed
+    behind an optimization barrier, so that ``x - p`` cannot become a fused multiply-add), then
+    move ``q`` one ulp toward
     the true quotient when the residual is beyond half an ulp (times ``scale``), ties to even. A
     step moves a quotient 2 ulps off by one ulp and leaves one within an ulp exact. Quotients or
     divisors outside `EXACT_RANGE`, zeros, infinities and NaN are returned as ``q`` is.
@@ -82,7 +84,9 @@ def _high_half(v):
 def _nudge_quotient(x, s, q):
     """One correction step of `correct_quotient`."""
     ax, aq = jnp.abs(x), jnp.abs(q)
-    p = aq * s
+    # p leaves the fusion: a backend that fuses multiply-adds would otherwise turn ``ax - p`` into
+    # fma(-aq, s, ax), already the residual, from which err would be subtracted a second time
+    p = jax.lax.optimization_barrier(aq * s)
     qh, sh = _high_half(aq), _high_half(s)
     ql, sl = aq - qh, s - sh
     err = (((qh * sh - p) + qh * sl) + ql * sh) + ql * sl  # aq * s - p, exactly

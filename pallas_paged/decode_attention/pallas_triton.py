@@ -9,7 +9,8 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
    start), gathering each token's row through the block table, with an online softmax in fp32.
 2. `decode_kernel_call` builds the grid ``(batch, num_kv_heads, num_splits)`` and calls
    ``pallas_call``; `decode_pallas` then, when the KV axis is split (flash-decoding), merges the
-   partial ``(o, m, l)`` results (`_merge_splits`).
+   partial ``(o, m, l)`` results with a second, small kernel (`merge_splits_pallas`, the Pallas
+   form of `_merge_splits`, which the Mosaic GPU path keeps).
 3. `decode` (in ``api.py``) validates, resolves the scale and the config, and dispatches to this
    kernel or to the plain-XLA path (``xla.py``).
 
@@ -239,6 +240,76 @@ def _merge_splits(o, m, l, n, sinks):
     return out, lse
 
 
+def _merge_splits_kernel(
+    lens_ref,   # i32[batch] (decode's clamped lengths), or None: a row is present if any split saw a key
+    o_ref,      # f32[batch, kvh, splits, group, head_dim], each split's unnormalized weighted sum
+    m_ref,      # f32[batch, kvh, splits, group], each split's running max
+    l_ref,      # f32[batch, kvh, splits, group], each split's sum of exponentials
+    sinks_ref,  # f32[kvh, group] or None
+    out_ref,    # [batch, kvh, group, head_dim] in the output dtype
+    lse_ref,    # f32[batch, kvh, group]
+    *,
+    padded_splits: int,
+    padded_dim: int,
+):
+    """`_merge_splits` for one (row, kv head, query head of its group): its ``splits`` partial
+    results, loaded at once, combined in fp32."""
+    b, h, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_splits, head_dim = o_ref.shape[2], o_ref.shape[4]
+    splits = jnp.arange(padded_splits)  # [Sp]
+    split_ok = splits < num_splits
+    cols = jnp.arange(padded_dim)  # [Dp]
+    col_ok = cols < head_dim
+    m = plgpu.load(m_ref.at[b, h, splits, g], mask=split_ok, other=-jnp.inf)  # f32[Sp]
+    l = plgpu.load(l_ref.at[b, h, splits, g], mask=split_ok, other=0.0)  # f32[Sp]
+    m_seen = jnp.max(m)
+    present = (lens_ref[b] > 0) if lens_ref is not None else (m_seen > -jnp.inf)
+    m_total = m_seen
+    if sinks_ref is not None:
+        sink = sinks_ref[h, g]
+        m_total = jnp.maximum(m_total, sink)
+    m_total = jnp.where(jnp.abs(m_total) < jnp.inf, m_total, 0.0)
+    weight = jnp.exp(m - m_total)  # f32[Sp], 0 for empty splits (m = -inf)
+    l_total = jnp.sum(weight * l)
+    if sinks_ref is not None:
+        l_total = l_total + jnp.exp(sink - m_total)
+    o = plgpu.load(o_ref.at[b, h, splits[:, None], g, cols[None, :]],
+                   mask=split_ok[:, None] & col_ok[None, :], other=0.0)  # f32[Sp, Dp]
+    o_total = jnp.sum(weight[:, None] * o, axis=0)  # f32[Dp]
+    ok = present & (l_total > 0)
+    out = jnp.where(ok, o_total / jnp.where(ok, l_total, 1.0), 0.0)
+    plgpu.store(out_ref.at[b, h, g, cols], out.astype(out_ref.dtype), mask=col_ok)
+    lse_ref[b, h, g] = jnp.where(present, m_total + jnp.log(l_total), -jnp.inf)
+
+
+def merge_splits_pallas(o, m, l, lens, sinks, *, out_dtype, interpret: bool):
+    """`_merge_splits` as one Pallas kernel (one launch, where XLA's reductions take several), one
+    program per (row, kv head, query head).
+
+    Args:
+      o: f32[rows, kvh, splits, group, head_dim]; m, l: f32[rows, kvh, splits, group].
+      lens: i32[rows], decode's clamped lengths (a row with ``n == 0`` gives zeros and ``lse =
+        -inf``), or None (ragged rows: a row that no split saw a key for gives those).
+      sinks: f32[kvh, group] or None.
+      out_dtype: the dtype of ``out``.
+
+    Returns:
+      ``(out [rows, kvh, group, head_dim] in out_dtype, lse f32[rows, kvh, group])``.
+    """
+    rows, kvh, splits, group, head_dim = o.shape
+    kernel = functools.partial(_merge_splits_kernel, padded_splits=max(16, next_power_of_2(splits)),
+                               padded_dim=max(16, next_power_of_2(head_dim)))
+    return pl.pallas_call(
+        kernel,
+        grid=(rows, kvh, group),
+        out_shape=(jax.ShapeDtypeStruct((rows, kvh, group, head_dim), out_dtype),
+                   jax.ShapeDtypeStruct((rows, kvh, group), jnp.float32)),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name=f"pallas_paged_merge_s{splits}_g{group}_d{head_dim}",
+    )(lens, o, m, l, sinks)
+
+
 def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                        config: DecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
                        sliding_window, sinks, k_scale, v_scale):
@@ -309,8 +380,8 @@ def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, con
     if config.num_splits > 1:
         n = jnp.clip(context_lens.astype(jnp.int32), 0, block_tables.shape[1] * k_cache.shape[1])
         per_head = None if sinks is None else sinks.reshape(kvh, num_heads // kvh)
-        out, lse = _merge_splits(*outs, n, per_head)
-        out = out.astype(q.dtype)
+        out, lse = merge_splits_pallas(*outs, n, per_head, out_dtype=q.dtype,
+                                       interpret=interpret)
     else:
         out, lse = outs
     return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)

@@ -19,7 +19,7 @@ Read top to bottom (the public function is `pallas_paged.ragged_attention.api.pa
    (row, position).
 3. `paged_attention_pallas` builds the grid ``(query tiles, num_kv_heads, num_splits)``, calls
    ``pallas_call`` and, when the KV axis is split, merges the partial ``(o, m, l)`` results with
-   decode's `_merge_splits`.
+   decode's `merge_splits_pallas`.
 
 Safety, by construction rather than by validation (values cannot raise under jit):
 
@@ -44,8 +44,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_paged._platform import next_power_of_2
-from pallas_paged.decode_attention.pallas_triton import (_dot_nn, _dot_nt, _merge_splits,
-                                                         dot_dtype, query_for_dots, with_sink)
+from pallas_paged.decode_attention.pallas_triton import (_dot_nn, _dot_nt, dot_dtype,
+                                                         merge_splits_pallas, query_for_dots,
+                                                         with_sink)
 from pallas_paged.ragged_attention.configs import AttentionConfig, tile_dot_rows
 
 
@@ -373,8 +374,8 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, quer
     o = o.reshape(num_tokens, kvh, splits, group, head_dim)
     m = m.reshape(num_tokens, kvh, splits, group)
     l = l.reshape(num_tokens, kvh, splits, group)
-    sees_any = (m != -jnp.inf).any(axis=(1, 2, 3)).astype(jnp.int32)  # 0: padding, sees nothing
     per_head = None if sinks is None else sinks.reshape(kvh, group)
-    out, lse = _merge_splits(o, m, l, sees_any, per_head)
-    return (out.astype(q.dtype).reshape(num_tokens, num_heads, head_dim),
-            lse.reshape(num_tokens, num_heads))
+    # a row that no split saw a key for (padding, or before the window) gives zeros, lse = -inf
+    out, lse = merge_splits_pallas(o, m, l, None, per_head, out_dtype=q.dtype,
+                                   interpret=interpret)
+    return out.reshape(num_tokens, num_heads, head_dim), lse.reshape(num_tokens, num_heads)
