@@ -1,7 +1,8 @@
 """Where the time of one decode call goes: the Triton kernel's call timed in pieces and against
 stripped-down kernels that read the same bytes, each as a fraction of the same run's copy bandwidth.
 
-Run ``python -m benchmarks.decode_anatomy [--shapes a,b] [--json PATH] [--smoke]`` (default shapes:
+Run ``python -m benchmarks.decode_anatomy [--shapes a,b] [--configs a] [--json PATH] [--smoke]``
+(``--configs``: only these shapes get the config variants; default shapes:
 ``b1_ctx32768``, ``fp8_b32_ctx4096``, ``b32_ctx4096`` from `benchmarks.shapes`). For each shape:
 
 - ``decode``: `pallas_paged.decode` with the config it picks (the reference time);
@@ -108,7 +109,8 @@ def contiguous_tables(tables: np.ndarray, block_size: int, lens: np.ndarray) -> 
     return out
 
 
-def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool) -> list:
+def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
+              with_configs: bool = True) -> list:
     shape = shape_by_name(name)
     copies = s.copies or rotation_copies(shape, min_bytes=ROTATE_BYTES, max_copies=s.max_copies)
     inputs = make_decode_inputs(shape, seed=0, copies=copies)
@@ -201,7 +203,7 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool) -> list
               firsts=per_call(o[None], 1, reps), tables_of=[(m, l)] * reps)
     timed("empty kernel (launch only)",
           lambda q, t: empty_call(q, kc, t, lens, config=default, interpret=interpret))
-    for config in config_variants(default, shape.is_fp8):
+    for config in config_variants(default, shape.is_fp8) if with_configs else ():
         label = (f"decode bk{config.block_k} s{config.num_splits} w{config.num_warps}"
                  f" st{config.num_stages}")
         timed(label, decode_fn(config), check=True, config=config)
@@ -211,6 +213,8 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool) -> list
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=None, help="comma-separated names")
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated shapes that also get config variants (default: all)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes in interpret mode (the plumbing, not the speed)")
@@ -222,7 +226,8 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {copy['tbps']:.3f} TB/s ({copy['source']})", flush=True)
     rows = []
     for name in names:
-        rows += run_shape(name, s, copy["tbps"], interpret)
+        with_configs = args.configs is None or name in args.configs.split(",")
+        rows += run_shape(name, s, copy["tbps"], interpret, with_configs)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(jsonable({"device": jax.devices()[0].device_kind, "copy": copy,
