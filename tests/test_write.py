@@ -404,4 +404,7 @@ def test_fp8_quotient_correction_recovers_the_ieee_quotient(rng, scale):
         got = np.asarray(correct(jnp.asarray(x), jnp.asarray(s), jnp.asarray(approx)))
         np.testing.assert_array_equal(got.view(np.int32), exact.view(np.int32))
     got = np.asarray(jax.jit(divide_rn)(jnp.asarray(x), jnp.asarray(s)))
-    np.testing.assert_array_equal(got.view(np.int32), exact.view(np.int32))
+    # NaN / s is NaN, but a GPU's division returns its canonical NaN, not numpy's payload
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(exact))
+    number = ~np.isnan(exact)
+    np.testing.assert_array_equal(got[number].view(np.int32), exact[number].view(np.int32))
