@@ -486,8 +486,10 @@ def test_copy_bandwidth_measures_every_jax_way():
     result = measure_copy_bandwidth(1 << 20, s)
     rates = {k: result[k]["tbps"] for k in ("copy", "not")}
     assert all(_finite_positive(r) for r in rates.values())
-    assert result["tbps"] == max(rates.values()) == rates[result["source"]]
     assert "torch_copy" not in result or jax.default_backend() == "gpu"
+    if "torch_copy" in result:  # a GPU that torch sees too: its copy competes for the maximum
+        rates["torch_copy"] = result["torch_copy"]["tbps"]
+    assert result["tbps"] == max(rates.values()) == rates[result["source"]]
 
 
 def test_jsonable_writes_strict_json():
