@@ -12,7 +12,10 @@ as they start and finish), prints both token lists per sequence and the runner's
 
 - float32: exit 0 only if every sequence's tokens are equal, and the logits they were sampled
   from agree within ``1e-4 * max|hf|`` (so that a wrong attention cannot hide behind lucky
-  argmaxes).
+  argmaxes). Tokens may part only at a near-tie (`parts_at_near_tie`): where HF's logits for its
+  token and for the runner's are closer than twice the largest logits difference measured up to
+  there, float32 rounding (a GPU's approximate division and exponentials, another summation
+  order) decides the argmax, not the attention.
 - bfloat16: rounding differs between the frameworks, so greedy paths may part. The logits of the
   first ``--logit-steps`` steps (while both token lists still agree, so both saw the same prefix)
   are compared with float32 truth (the float32 model on that prefix), FlashAttention's rule:
@@ -191,6 +194,18 @@ def make_requests(args):
     return [Request(tuple(p), t) for p, t in zip(args.prompts, args.new_tokens)]
 
 
+def parts_at_near_tie(hf_step_logits, hf_tokens, jax_tokens, agree: int, diff: float) -> bool:
+    """Whether two greedy token lists that agree on their first ``agree`` tokens part at a
+    near-tie: HF's logits at that step, for its own token and for the runner's, differ by at
+    most ``2 * diff`` (``diff``: the largest |jax - hf| logits difference up to that step), so
+    either argmax is within rounding of the other."""
+    if agree >= min(len(hf_tokens), len(jax_tokens)):
+        return False  # one list is a prefix of the other: a length difference, not a tie
+    step = np.asarray(hf_step_logits[agree])
+    margin = float(step[hf_tokens[agree]] - step[jax_tokens[agree]])
+    return 0 <= margin <= 2 * diff
+
+
 def common_prefix(a, b) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -226,8 +241,12 @@ def compare_hf(args) -> int:
             diff = float(np.abs(np.stack(out.logits[:steps]) - want).max())
             bound = FP32_LOGITS_RTOL * float(np.abs(want).max())
             equal, close = out.tokens == hf, diff <= bound
-            ok &= equal and close
-            print(f"  {'equal' if equal else f'DIFFERENT from token {agree}'};"
+            tie = (not equal and close
+                   and parts_at_near_tie(hf_logits[i], hf, out.tokens, agree, diff))
+            ok &= (equal or tie) and close
+            parted = f"parting at token {agree}, a near-tie" if tie else (
+                f"DIFFERENT from token {agree}")
+            print(f"  {'equal' if equal else parted};"
                   f" max |logits jax - hf| = {diff:.3g} over the first {steps} steps, bound"
                   f" {bound:.3g} -> {'within' if close else 'OUTSIDE'}")
         else:

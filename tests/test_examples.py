@@ -240,3 +240,13 @@ def test_generate_bench_gpu(capsys):
     assert rc == 0, out
     for name in ("impl=pallas", "impl=xla", "transformers.generate"):
         assert name in out, out
+
+
+def test_tokens_may_part_only_at_a_near_tie():
+    logits = [np.array([0.0, 5.0, 1.0]), np.array([3.0, 3.0 - 1e-6, 0.0])]
+    hf, jax_tokens = [1, 0], [1, 1]  # parted at step 1, where HF's margin is 1e-6
+    assert generate.parts_at_near_tie(logits, hf, jax_tokens, 1, diff=1e-6)
+    assert not generate.parts_at_near_tie(logits, hf, jax_tokens, 1, diff=1e-7)
+    wrong = [np.array([0.0, 5.0, 1.0]), np.array([3.0, 0.5, 0.0])]  # a clear argmax
+    assert not generate.parts_at_near_tie(wrong, hf, jax_tokens, 1, diff=1e-3)
+    assert not generate.parts_at_near_tie(logits, [1], [1, 0], 1, diff=1.0)  # a prefix
