@@ -8,6 +8,10 @@ Read top to bottom (the public function is `pallas_paged.ragged_attention.api.pa
    padding rows past ``query_start_loc[batch]`` form a last pseudo-sequence ``batch`` whose
    programs write zeros (with ``block_q == 1``, token ``t`` is simply program ``t``). A program finds its sequence by a binary search over the small
    ``query_start_loc``; programs in the gaps between sequences' ranges have no rows and return.
+   With short tiles (``AttentionConfig.short_block_q``), ``batch`` more programs, spread evenly
+   among those (`interleave_short_programs`), each take one sequence of at most
+   ``short_block_q`` tokens (decode, speculative steps) with dots of fewer rows; the long tiles
+   then skip those sequences.
 2. `_ragged_attention_kernel` works on refs only. One program owns one (query tile, kv head, KV
    split): ``block_q`` query tokens x the ``group`` query heads of its kv head share the M
    dimension of both dots (padded to at least 16 rows), so every K/V row is read once per tile.
