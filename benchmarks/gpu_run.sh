@@ -17,6 +17,7 @@
 #   TEST_SHARDS=4 PARITY_SHARDS=6 ...  # tests and parity in that many processes at once (test
 #                                      # files dealt round-robin; parity --shard i/N): the
 #                                      # machine's cores compile in parallel; logs <step>-<i>.txt
+#   ARCHIVE=logs.tar.gz ...            # at the end, pack every file of <dir> into that one file
 set -u
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-run-$(date -u +%Y%m%dT%H%M%SZ)}}"
@@ -94,4 +95,9 @@ step anatomy "${ANATOMY_TIMEOUT:-1800}" "$PY" -m benchmarks.decode_anatomy \
   --json "$out/anatomy.json" ${ANATOMY_ARGS:-}
 step e2e "${E2E_TIMEOUT:-1800}" env HF_HUB_OFFLINE=1 "$PY" -m examples.generate --bench \
   ${E2E_ARGS:-}
+# shellcheck disable=SC2086  # the log names (letters, digits, '-', '.') split into words
+if [ -n "${ARCHIVE:-}" ]; then  # one file instead of many (for transfers that limit the count)
+  (cd "$out" && files=$(ls -A | grep -vxF "$ARCHIVE") && tar czf "$ARCHIVE" $files && rm -rf $files)
+  echo "=== logs packed into $out/$ARCHIVE"
+fi
 exit $status
