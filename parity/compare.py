@@ -380,8 +380,6 @@ def mosaic_refusal(case: Case) -> str | None:
     from pallas_paged._platform import device_kind, sm_count
     from pallas_paged.decode_attention import api, configs, mosaic_gpu
 
-    if mosaic_gpu.jax_version() < mosaic_gpu.MIN_JAX:
-        return f"impl='mosaic' needs jax >= 0.11.2, this is jax {jax.__version__}"
     if case.ragged:
         return "impl='mosaic' is decode only (ragged paged_attention runs impl='pallas' or 'xla')"
     q = jax.ShapeDtypeStruct((case.batch, case.num_heads, case.head_dim), case.q_dtype)
@@ -389,11 +387,7 @@ def mosaic_refusal(case: Case) -> str | None:
                                  case.dtype)
     tables = jax.ShapeDtypeStruct((case.batch, case.table_width), "int32")
     config = configs.lookup_mosaic(api.decode_shape(q, cache, tables), device_kind(), sm_count())
-    try:
-        mosaic_gpu.check_supported(q, cache, config)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return mosaic_gpu.refusal(q, cache, config, interpret=True)  # no device check here
 
 
 def _where(index: tuple[int, ...], block_size: int) -> str:

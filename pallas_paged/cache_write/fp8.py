@@ -40,9 +40,15 @@ def quantize_fp8(x: jax.Array, scale) -> jax.Array:
     backend's conversion takes.
     """
     scale = jnp.reshape(jnp.asarray(scale, jnp.float32), ())
-    scaled = divide_rn(x.astype(jnp.float32), scale)
-    scaled = jnp.where(scaled > FP8_MAX, FP8_MAX, jnp.where(scaled < -FP8_MAX, -FP8_MAX, scaled))
+    scaled = clamp_to_fp8_range(divide_rn(x.astype(jnp.float32), scale))
     return round_to_fp8_grid(scaled).astype(jnp.float8_e4m3fn)
+
+
+def clamp_to_fp8_range(x: jax.Array) -> jax.Array:
+    """``clamp(x, -448, 448)`` that keeps NaN: two selects, not ``jnp.clip``, because Triton
+    lowers ``maximum`` / ``minimum`` to ``maxnumf`` / ``minnumf``, which would turn NaN into
+    -448, while a comparison with NaN is false and leaves it as it is."""
+    return jnp.where(x > FP8_MAX, FP8_MAX, jnp.where(x < -FP8_MAX, -FP8_MAX, x))
 
 
 # `divide_rn` corrects quotients of magnitude and divisors inside this range (products and half

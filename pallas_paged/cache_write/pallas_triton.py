@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_paged._platform import next_power_of_2
-from pallas_paged.cache_write.fp8 import FP8_MAX, divide_rn
+from pallas_paged.cache_write.fp8 import clamp_to_fp8_range, divide_rn
 
 
 def _divide_rn(x, scale, *, interpret: bool):
@@ -55,15 +55,11 @@ def _quantize_fp8(rows, scale, *, interpret: bool):
       scale: ``f32[]``.
       interpret: whether the kernel runs in interpret mode (static).
 
-    NaN stays NaN and +-inf become +-448. The clamp is two selects, not ``jnp.clip``: Triton lowers
-    ``maximum`` / ``minimum`` to ``maxnumf`` / ``minnumf``, which would turn NaN into -448, while a
-    comparison with NaN is false and leaves it as it is. The cast rounds to nearest even
+    NaN stays NaN and +-inf become +-448 (`clamp_to_fp8_range`). The cast rounds to nearest even
     (``cvt.rn.satfinite`` on the GPU).
     """
     scaled = _divide_rn(rows.astype(jnp.float32), scale, interpret=interpret)  # [Tw, C]
-    scaled = jnp.where(scaled > FP8_MAX, FP8_MAX, scaled)
-    scaled = jnp.where(scaled < -FP8_MAX, -FP8_MAX, scaled)
-    return scaled.astype(jnp.float8_e4m3fn)
+    return clamp_to_fp8_range(scaled).astype(jnp.float8_e4m3fn)
 
 
 def _write_rows(slots_ref, scales_ref, k_ref, v_ref, k_cache_ref, v_cache_ref, *,

@@ -66,10 +66,10 @@ def auto_impl(q, k_cache, block_tables, *, interpret: bool | None = None, config
                          f" impl='auto', got {type(config).__name__}")
     shape = decode_shape(q, k_cache, block_tables)
     kind = device_kind()
-    can_run_mosaic = False
-    if not resolve_interpret(interpret):
-        mosaic_config = configs.lookup_mosaic(shape, kind, sm_count())
-        can_run_mosaic = mosaic_gpu.refusal(q, k_cache, mosaic_config, interpret=False) is None
+    if configs.lookup_impl(shape, kind) != "mosaic" or resolve_interpret(interpret):
+        return "pallas"  # the table does not name mosaic (every call, today), or interpret mode
+    mosaic_config = configs.lookup_mosaic(shape, kind, sm_count())
+    can_run_mosaic = mosaic_gpu.refusal(q, k_cache, mosaic_config, interpret=False) is None
     return configs.choose_impl(shape, kind, can_run_mosaic)
 
 

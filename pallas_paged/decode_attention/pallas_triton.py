@@ -378,9 +378,9 @@ def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, con
         interpret=interpret, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
         sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     if config.num_splits > 1:
-        n = jnp.clip(context_lens.astype(jnp.int32), 0, block_tables.shape[1] * k_cache.shape[1])
         per_head = None if sinks is None else sinks.reshape(kvh, num_heads // kvh)
-        out, lse = merge_splits_pallas(*outs, n, per_head, out_dtype=q.dtype,
+        out, lse = merge_splits_pallas(*outs, context_lens.astype(jnp.int32), per_head,
+                                       out_dtype=q.dtype,
                                        interpret=interpret)
     else:
         out, lse = outs
