@@ -379,13 +379,14 @@ def tune_stage1(shape: DecodeBenchShape, base: DecodeConfig, heuristic: DecodeCo
         for splits in sorted({max(1, h // 2), h, min(64, 2 * h)}):
             if splits > tiles:
                 continue
-            out.append(DecodeConfig(block_k, splits, base.num_warps, base.num_stages))
+            out.append(DecodeConfig(block_k, splits, base.num_warps, base.num_stages,
+                                    base.merge_in_kernel))
     return out
 
 
 def tune_stage2(shape: DecodeBenchShape, best: DecodeConfig) -> list:
     """num_warps x num_stages at the best (block_k, num_splits)."""
-    return [DecodeConfig(best.block_k, best.num_splits, w, st) for w in (4, 8)
+    return [DecodeConfig(best.block_k, best.num_splits, w, st, best.merge_in_kernel) for w in (4, 8)
             for st in (1, 2, 3, 4) if _tile_bytes(best.block_k, shape, st) <= SMEM_BYTES]
 
 
@@ -394,7 +395,8 @@ def tune_stage3(ranked: list, best: DecodeConfig) -> list:
     out = []
     for c in ranked:
         if (c.block_k, c.num_splits) != (best.block_k, best.num_splits):
-            out.append(DecodeConfig(c.block_k, c.num_splits, best.num_warps, best.num_stages))
+            out.append(DecodeConfig(c.block_k, c.num_splits, best.num_warps, best.num_stages,
+                                    c.merge_in_kernel))
         if len(out) == 3:
             break
     return out
@@ -1068,7 +1070,8 @@ def tuned_snippet(doc: dict) -> str:
         comment = (f"{rec['name']}: {t['best_us']:.1f} us vs {_fmt(t.get('default_us'), '.1f')} us"
                    f" default ({gain:.2f}x)")
         entry = (f"    {key!r}: DecodeConfig(block_k={best.block_k}, num_splits={best.num_splits},"
-                 f" num_warps={best.num_warps}, num_stages={best.num_stages}),  # {comment}")
+                 f" num_warps={best.num_warps}, num_stages={best.num_stages}"
+                 + (", merge_in_kernel=True" if best.merge_in_kernel else "") + f"),  # {comment}")
         prefix = None
         if rec["shape"].get("sliding_window") is not None:
             prefix = "windowed shape: its class also covers full attention"

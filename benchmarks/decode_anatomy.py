@@ -8,6 +8,8 @@ Run ``python -m benchmarks.decode_anatomy [--shapes a,b] [--configs a] [--json P
 - ``decode``: `pallas_paged.decode` with the config it picks (the reference time);
 - ``decode, contiguous pages``: the same with the physical blocks of every sequence in order
   (the page-table gather then reads neighbouring rows): what the random layout costs;
+- ``decode, merge in kernel``: ``DecodeConfig.merge_in_kernel`` (the last split of each row
+  merges; one launch) at the default split count, half and twice it;
 - ``kernel only`` / ``merge only``: the Pallas kernel without the split merge, and the merge
   alone on the kernel's partial results (the Pallas merge kernel `decode` runs, and XLA's
   reductions, `_merge_splits`): what the second launch costs; ``kernel + the XLA merge``: decode
@@ -53,16 +55,20 @@ SMOKE_SHAPES = ("small_b2_ctx64", "small_fp8_b2_ctx64")
 
 
 def config_variants(default: pp.DecodeConfig, fp8: bool) -> list:
-    """Configs around ``default``: split counts and tiles (for fp8 caches smaller tiles too, which
-    hold fewer registers: ``Nsight Compute`` found the 128-token fp8 tile at 255 registers per
-    thread, two programs per multiprocessor), then warps and stages."""
+    """Configs around ``default``: split counts and tiles, then warps and stages. For fp8 caches
+    the grid of 64- and 128-token tiles x 1-2 splits x 4-8 warps x 2-3 stages, and 4 stages (``Nsight
+    Compute`` found the 128-token fp8 tile at 255 registers per thread, two programs per
+    multiprocessor: fewer registers per thread, or more warps to hide the loads, may pay)."""
     out = []
     if fp8:
-        for block_k in (32, 64, 128):
-            for splits in (1, 2, 4):
-                out.append(dataclasses.replace(default, block_k=block_k, num_splits=splits))
-        out += [dataclasses.replace(default, block_k=64, num_splits=2, num_warps=8),
-                dataclasses.replace(default, block_k=64, num_splits=2, num_stages=3)]
+        for block_k in (64, 128):
+            for splits in (1, 2):
+                for warps in (4, 8):
+                    for stages in (2, 3):
+                        out.append(pp.DecodeConfig(block_k=block_k, num_splits=splits,
+                                                   num_warps=warps, num_stages=stages))
+        out += [pp.DecodeConfig(block_k=128, num_splits=1, num_stages=4),
+                pp.DecodeConfig(block_k=64, num_splits=2, num_stages=4)]
     else:
         for splits in sorted({max(1, default.num_splits // 2), default.num_splits,
                               default.num_splits * 2}):
@@ -195,6 +201,11 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
         timed("kernel + the XLA merge",
               lambda q, t: _merge_splits(*kernel(q, kc, vc, t, lens), n, None)[0].astype(
                   q.dtype).reshape(q.shape), check=True, config=default)
+        for splits in (default.num_splits // 2, default.num_splits, 2 * default.num_splits):
+            if splits > 1:  # one launch instead of two
+                merged = dataclasses.replace(default, num_splits=splits, merge_in_kernel=True)
+                timed(f"decode, merge in kernel, {splits} splits", decode_fn(merged), check=True,
+                      config=merged)
         timed("merge only (XLA)", lambda o, ml: _merge_splits(o, *ml, n, None)[0],
               firsts=per_call(o[None], 1, reps), tables_of=[(m, l)] * reps)
         timed("merge only (Pallas kernel)",
@@ -205,7 +216,7 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
           lambda q, t: empty_call(q, kc, t, lens, config=default, interpret=interpret))
     for config in config_variants(default, shape.is_fp8) if with_configs else ():
         label = (f"decode bk{config.block_k} s{config.num_splits} w{config.num_warps}"
-                 f" st{config.num_stages}")
+                 f" st{config.num_stages}" + (" merged" if config.merge_in_kernel else ""))
         timed(label, decode_fn(config), check=True, config=config)
     return rows
 

@@ -541,14 +541,21 @@ def run_case(case: Case, *, device: str = "cpu", impls: Sequence[str] = IMPLS,
 
 def run_suite(cases: Iterable[Case], *, device: str = "cpu", impls: Sequence[str] = IMPLS,
               interpret: bool | None = None,
-              progress: Callable[[int, int, CaseResult, float], None] | None = None) -> SuiteResult:
-    """`run_case` over ``cases`` in order; ``progress(i, total, result, seconds)`` after each."""
+              progress: Callable[[int, int, CaseResult, float], None] | None = None,
+              impls_of: Callable[[Case], Sequence[str]] | None = None) -> SuiteResult:
+    """`run_case` over ``cases`` in order; ``progress(i, total, result, seconds)`` after each.
+
+    ``impls_of(case)``, when given, names the implementations of each case (a subset of
+    ``impls``: e.g. without ``mosaic`` where its kernel refuses the case); else every case runs
+    ``impls``.
+    """
     cases = list(cases)
     start = time.perf_counter()
     results = []
     for i, case in enumerate(cases):
         case_start = time.perf_counter()
-        result = run_case(case, device=device, impls=impls, interpret=interpret)
+        result = run_case(case, device=device, impls=impls if impls_of is None else impls_of(case),
+                          interpret=interpret)
         results.append(result)
         if progress is not None:
             progress(i, len(cases), result, time.perf_counter() - case_start)

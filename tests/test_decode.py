@@ -29,6 +29,8 @@ SPLIT_CONFIGS = (
     pp.DecodeConfig(block_k=16, num_splits=3),
     pp.DecodeConfig(block_k=32, num_splits=2),
     pp.DecodeConfig(block_k=16, num_splits=7),
+    pp.DecodeConfig(block_k=16, num_splits=7, merge_in_kernel=True),  # some splits empty
+    pp.DecodeConfig(block_k=32, num_splits=2, merge_in_kernel=True),
 )
 
 

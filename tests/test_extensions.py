@@ -14,7 +14,8 @@ from pallas_paged.decode_attention.pallas_triton import tile_range
 from paged_inputs import make_paged
 from test_decode import IMPLS, assert_matches_torch, run_jax
 
-SPLITS = (pp.DecodeConfig(block_k=16, num_splits=1), pp.DecodeConfig(block_k=16, num_splits=3))
+SPLITS = (pp.DecodeConfig(block_k=16, num_splits=1), pp.DecodeConfig(block_k=16, num_splits=3),
+          pp.DecodeConfig(block_k=16, num_splits=3, merge_in_kernel=True))
 
 
 def options(rng, num_heads, which):
@@ -27,7 +28,7 @@ def options(rng, num_heads, which):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("which", ["logits_soft_cap", "alibi_slopes", "sliding_window", "sinks", "all"])
-@pytest.mark.parametrize("config", SPLITS, ids=["one_split", "three_splits"])
+@pytest.mark.parametrize("config", SPLITS, ids=["one_split", "three_splits", "merged_in_kernel"])
 def test_option_matches_torch_ref(rng, impl, which, config):
     paged = make_paged(rng, lens=[29, 0, 1, 5, 16, 33], num_heads=6, num_kv_heads=2,
                        block_size=5, head_dim=32)

@@ -21,8 +21,9 @@ Every test here is marked ``gpu`` (skipped without one). On the GPU machine::
 - determinism (``-k determinism``): 20 calls per split configuration at B=8, 2048 tokens, bf16,
   H=32, KVH=8, D=128 (and XLA and one split config with every option), bit-identical, and
   within test_decode's tolerance of the float64 oracle; both writes, 20 calls each.
-- memcheck: the garbage tests in a subprocess under ``compute-sanitizer --tool memcheck`` (with the
-  platform allocator, so that every buffer is its own allocation and memcheck sees its bounds);
+- memcheck: the garbage tests of the kernels' addressing (``MEMCHECK_SELECTION``) in a subprocess
+  under ``compute-sanitizer --tool memcheck`` (with the platform allocator, so that every buffer is
+  its own allocation and memcheck sees its bounds);
   skipped when compute-sanitizer is not on PATH.
 """
 
@@ -42,6 +43,8 @@ import pytest
 
 import pallas_paged as pp
 from pallas_paged._platform import kernel_addresses_overflow
+from pallas_paged.decode_attention import mosaic_gpu
+from pallas_paged.decode_attention.configs import MosaicDecodeConfig
 from oracle import oracle_paged_attention, oracle_quantize_fp8
 from paged_inputs import NP_DTYPES, bits, make_paged
 from test_decode import ATOL
@@ -53,13 +56,17 @@ BF16, FP8 = NP_DTYPES["bfloat16"], NP_DTYPES["float8_e4m3fn"]
 INT32_MAX, INT32_MIN = 2**31 - 1, -2**31
 PAD_SENTINEL = 1000.0  # the rows of padding tokens: must never land in a cache
 UNDER_SANITIZER = "PALLAS_PAGED_UNDER_SANITIZER"
+MEMCHECK_SELECTION = "garbage and (table_tails or lengths) and not xla"
 
 
 def run_id(run) -> str:
     impl, config = run
     if impl == "xla":
         return "xla"
-    return f"{impl}_default" if config is None else f"{impl}_bk{config.block_k}_s{config.num_splits}"
+    if config is None:
+        return f"{impl}_default"
+    merged = "_merged" if getattr(config, "merge_in_kernel", False) else ""
+    return f"{impl}_bk{config.block_k}_s{config.num_splits}{merged}"
 
 
 def decode_bits(run, args, **options):
@@ -94,7 +101,11 @@ def assert_close_to_oracle(out, expected, lens, q_dtype: str) -> float:
 
 # --- garbage -------------------------------------------------------------------------------------
 
-GARBAGE_RUNS = [("xla", None), ("pallas", C(64, 1)), ("pallas", C(16, 3))]
+# The Mosaic kernel where this jax has its API (the GPU check is the file's gpu mark).
+MOSAIC_RUNS = [] if mosaic_gpu.jax_version() < mosaic_gpu.MIN_JAX else [
+    ("mosaic", MosaicDecodeConfig(block_k=64, num_splits=3, num_stages=2))]
+GARBAGE_RUNS = [("xla", None), ("pallas", C(64, 1)), ("pallas", C(16, 3)),
+                ("pallas", C(16, 3, merge_in_kernel=True))] + MOSAIC_RUNS
 GARBAGE_BATCH, GARBAGE_WIDTH, GARBAGE_BS = 4, 8, 16
 GARBAGE_CAPACITY = GARBAGE_WIDTH * GARBAGE_BS
 GARBAGE_LENS = (GARBAGE_CAPACITY, 17, 0, 20)  # 20 < one 64-token tile: masked pages
@@ -439,13 +450,15 @@ def test_determinism_write(mid_size, impl):
                     reason="compute-sanitizer is not on PATH")
 @pytest.mark.skipif(os.environ.get(UNDER_SANITIZER) == "1", reason="already under the sanitizer")
 def test_memcheck_reports_no_error():
-    """The garbage tests of this file, compiled, under compute-sanitizer memcheck."""
+    """The garbage tests that could make our kernels address memory out of bounds (table tails of
+    +-2**31, lengths out of range), compiled, under compute-sanitizer memcheck (XLA's own kernels
+    left out: memcheck makes every launch slow)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, XLA_PYTHON_CLIENT_ALLOCATOR="platform", PYTHONPATH=root,
                XLA_PYTHON_CLIENT_PREALLOCATE="false", **{UNDER_SANITIZER: "1"})
     cmd = ["compute-sanitizer", "--tool", "memcheck", "--target-processes", "all",
            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-           "-m", "gpu", "-k", "garbage", os.path.abspath(__file__)]
+           "-m", "gpu", "-k", MEMCHECK_SELECTION, os.path.abspath(__file__)]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]

@@ -37,9 +37,11 @@ BATCH = 4
 NUM_BLOCKS = BATCH * SHAPE["max_blocks"] + 5
 CAPACITY = SHAPE["max_blocks"] * SHAPE["block_size"]
 
-SPLIT_CONFIGS = tuple(C(block_k, splits) for splits in (1, 2, 3, 8) for block_k in (16, 32))
-GARBAGE_CONFIGS = (C(16, 1), C(16, 3), C(32, 8))  # a subset of SPLIT_CONFIGS: compiled once
-EXTREME_CONFIGS = (C(16, 1), C(16, 8))  # 8 splits of a 4-tile context: some splits are empty
+MERGED = dict(merge_in_kernel=True)
+SPLIT_CONFIGS = tuple(C(block_k, splits) for splits in (1, 2, 3, 8) for block_k in (16, 32)) + (
+    C(16, 3, **MERGED), C(32, 8, **MERGED))
+GARBAGE_CONFIGS = (C(16, 1), C(16, 3), C(32, 8), C(32, 8, **MERGED))  # in SPLIT_CONFIGS
+EXTREME_CONFIGS = (C(16, 1), C(16, 8), C(16, 8, **MERGED))  # 8 splits of 4 tiles: some empty
 DECODE_RUNS = [("xla", None)] + [("pallas", c) for c in SPLIT_CONFIGS]
 GARBAGE_RUNS = [("xla", None)] + [("pallas", c) for c in GARBAGE_CONFIGS]
 EXTREME_RUNS = [("xla", None)] + [("pallas", c) for c in EXTREME_CONFIGS]
@@ -47,7 +49,10 @@ EXTREME_RUNS = [("xla", None)] + [("pallas", c) for c in EXTREME_CONFIGS]
 
 def run_id(run):
     impl, config = run
-    return impl if config is None else f"{impl}-bk{config.block_k}-s{config.num_splits}"
+    if config is None:
+        return impl
+    merged = "-merged" if config.merge_in_kernel else ""
+    return f"{impl}-bk{config.block_k}-s{config.num_splits}{merged}"
 
 
 def paged(rng, lens, dtype="bfloat16", **kwargs):

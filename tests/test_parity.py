@@ -653,3 +653,25 @@ def test_impl_mosaic_runs_the_cases_its_kernel_takes(capsys):
     assert "PASSED: 1/1 cases passed" in captured.out
     assert "gqa4_h8_d64_bs5_bf16_all left out for impl=mosaic" in captured.err
     assert "block_size a multiple of 8" in captured.err
+
+
+def test_impl_mosaic_beside_others_keeps_every_case_for_them(tmp_path, capsys):
+    """``--impl pallas --impl mosaic``: a case the Mosaic kernel refuses still runs for pallas
+    (only its mosaic checks are left out, and named); a case it takes runs for both."""
+    from pallas_paged.decode_attention import mosaic_gpu
+
+    path = tmp_path / "report.json"
+    argv = ["--device", "cpu", "--impl", "pallas", "--impl", "mosaic", "-k",
+            "gqa4_h8_d64_bs16_bf16_lse", "-k", "gqa4_h8_d64_bs5_bf16_all", "-q", "--json",
+            str(path)]
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    assert "PASSED: 2/2 cases passed" in captured.out
+    assert "gqa4_h8_d64_bs5_bf16_all left out for impl=mosaic" in captured.err
+    impls = {c["case"]["name"]: {check["impl"] for check in c["checks"]}
+             for c in json.loads(path.read_text())["cases"]}
+    assert impls["gqa4_h8_d64_bs5_bf16_all"] == {"torch", "pallas"}
+    kernel_api = mosaic_gpu.jax_version() >= mosaic_gpu.MIN_JAX
+    assert impls["gqa4_h8_d64_bs16_bf16_lse"] == (
+        {"torch", "pallas", "mosaic"} if kernel_api else {"torch", "pallas"})

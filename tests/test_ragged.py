@@ -170,6 +170,24 @@ def test_options_match_torch_ref(rng, impl, which):
                    oracle=which == "all", **options(rng, 6, which))
 
 
+def test_xla_path_in_token_chunks_matches_torch_ref(rng, monkeypatch):
+    """The XLA path takes tokens a chunk at a time when their rows would pass its memory budget:
+    here chunks of 3 tokens (not dividing the 33 tokens plus padding), every option, padding rows
+    and an empty sequence: the same results as torch_ref, and as the one-chunk program."""
+    from pallas_paged.ragged_attention import xla as ragged_xla
+
+    problem = make_ragged(rng, [(9, 30), (0, 4), (1, 6), (4, 17), (12, 12), (7, 9)], pad=2,
+                          num_heads=6, num_kv_heads=2, head_dim=32, block_size=5)
+    kwargs = options(rng, 6, "all")
+    whole = run_jax(problem, "xla", **kwargs)
+    capacity = problem.block_tables.shape[1] * 5
+    monkeypatch.setattr(ragged_xla, "ROW_BUDGET_ELEMENTS", 3 * capacity * 2 * 32)
+    assert ragged_xla.token_chunk(len(problem.q), capacity * 2 * 32) == 3
+    chunked = assert_matches(problem, "xla", "float32", oracle=True, **kwargs)
+    for got, want in zip(chunked, whole):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_sliding_window_skips_poisoned_blocks_outside_it(rng, impl):
     """Whole blocks before every query's window may hold NaN: they are not read."""

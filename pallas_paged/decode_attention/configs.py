@@ -33,18 +33,25 @@ class DecodeConfig:
         share of the sequence's tiles; 1 means no split and no merge step.
       num_warps: warps per program.
       num_stages: software-pipelining depth of the tile loop.
+      merge_in_kernel: with several splits, the program that finishes a (sequence, kv head) last
+        merges its splits' partial results (it learns it is last from an atomic count of
+        arrivals), so decode is one kernel launch instead of two (the kernel, then the merge
+        kernel). No effect with one split.
     """
 
     block_k: int = 64
     num_splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    merge_in_kernel: bool = False
 
     def __post_init__(self):
         for name in ("block_k", "num_splits", "num_warps", "num_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DecodeConfig.{name}={value!r} must be a positive int")
+        if not isinstance(self.merge_in_kernel, bool):
+            raise ValueError(f"DecodeConfig.merge_in_kernel={self.merge_in_kernel!r} must be a bool")
         if self.block_k < 16 or self.block_k & (self.block_k - 1):
             raise ValueError(f"DecodeConfig.block_k={self.block_k} must be a power of two >= 16")
         if self.num_warps & (self.num_warps - 1):

@@ -10,7 +10,9 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
 2. `decode_kernel_call` builds the grid ``(batch, num_kv_heads, num_splits)`` and calls
    ``pallas_call``; `decode_pallas` then, when the KV axis is split (flash-decoding), merges the
    partial ``(o, m, l)`` results with a second, small kernel (`merge_splits_pallas`, the Pallas
-   form of `_merge_splits`, which the Mosaic GPU path keeps).
+   form of `_merge_splits`, which the Mosaic GPU path keeps), or, with
+   ``DecodeConfig.merge_in_kernel``, inside the kernel: each split counts its arrival with an
+   atomic add, and the last to arrive merges (`merge_partials_in_program`): one launch.
 3. `decode` (in ``api.py``) validates, resolves the scale and the config, and dispatches to this
    kernel or to the plain-XLA path (``xla.py``).
 
@@ -130,8 +132,10 @@ def _paged_decode_kernel(
     alibi_ref,   # f32[num_kv_heads, group] or None
     sinks_ref,   # f32[num_kv_heads, group] or None
     scales_ref,  # f32[2] = (k_scale, v_scale) of an fp8 cache, or None
+    arrivals_in_ref,  # i32[batch, kvh] zeros (merge_in_kernel; the buffer of the last output), or None
     *out_refs,   # split:  o f32[batch, kvh, splits, group, head_dim], m, l f32[batch, kvh, splits, group]
-                 # single: o [batch, kvh, group, head_dim] in q.dtype, then lse f32[batch, kvh, group]
+                 #         (merge_in_kernel: then out, lse as single, then arrivals i32[batch, kvh])
+                 # single: out [batch, kvh, group, head_dim] in q.dtype, then lse f32[batch, kvh, group]
     scale: float,
     block_size: int,
     block_k: int,
@@ -141,7 +145,10 @@ def _paged_decode_kernel(
     compute_dtype,
     soft_cap: float | None,
     window: int | None,
+    merge_in_kernel: bool,
+    interpret: bool,
 ):
+    del arrivals_in_ref  # aliased to the arrivals output, which the kernel updates
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     _, _, group, head_dim = q_ref.shape
     num_slots = k_ref.shape[0]
@@ -196,19 +203,91 @@ def _paged_decode_kernel(
 
     out_mask = row_ok[:, None] & col_ok[None, :]
     if num_splits > 1:
-        o_ref, m_ref, l_ref = out_refs
+        o_ref, m_ref, l_ref = out_refs[:3]
         plgpu.store(o_ref.at[b, h, split, rows[:, None], cols[None, :]], acc, mask=out_mask)
         plgpu.store(m_ref.at[b, h, split, rows], m, mask=row_ok)
         plgpu.store(l_ref.at[b, h, split, rows], l, mask=row_ok)
+        if not merge_in_kernel:
+            return
+        out_ref, lse_ref, arrivals_ref = out_refs[3:]
+        if not interpret:  # every thread's stores above come before the arrival below
+            plgpu.debug_barrier()
+        # An acquire-release atomic at GPU scope: the split that arrives last sees every other
+        # split's partial results.
+        arrived = plgpu.atomic_add(arrivals_ref, (b, h), jnp.ones((), jnp.int32))
+
+        @pl.when(arrived == num_splits - 1)
+        def _merge():
+            merge_partials_in_program(o_ref, m_ref, l_ref, sinks_ref, out_ref, lse_ref, b=b, h=h,
+                                      present=n > 0, padded_dim=padded_dim)
         return
 
     if sinks_ref is not None:
         sink = plgpu.load(sinks_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gp]
         acc, m, l = with_sink(acc, m, l, sink)
-    o_ref, lse_ref = out_refs
+    out_ref, lse_ref = out_refs
     out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
-    plgpu.store(o_ref.at[b, h, rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=out_mask)
+    plgpu.store(out_ref.at[b, h, rows[:, None], cols[None, :]], out.astype(out_ref.dtype),
+                mask=out_mask)
     lse = jnp.where(n > 0, m + jnp.log(l), -jnp.inf)
+    plgpu.store(lse_ref.at[b, h, rows], lse, mask=row_ok)
+
+
+MERGE_CHUNK_ELEMENTS = 8192  # partial-result elements one step of the in-kernel merge loads
+
+
+def merge_partials_in_program(o_ref, m_ref, l_ref, sinks_ref, out_ref, lse_ref, *, b, h, present,
+                              padded_dim: int):
+    """`_merge_splits` for one (sequence, kv head), inside the kernel's last program to finish it.
+
+    Refs as `_paged_decode_kernel`'s split outputs (``o_ref`` f32[batch, kvh, splits, group,
+    head_dim], ``m_ref`` / ``l_ref`` f32[batch, kvh, splits, group]) and its single-split outputs
+    (``out_ref``, ``lse_ref``). The maxima and sums of all splits are loaded at once; the weighted
+    partial outputs in chunks of splits (``MERGE_CHUNK_ELEMENTS`` at a time), independent loads
+    that the loop can keep in flight. Partials are read with volatile loads (from L2, where other
+    multiprocessors' stores are), never from a stale L1 line: the partials of small rows share
+    cache lines with their neighbours', which an earlier merge on the same multiprocessor read.
+    """
+    num_splits, group, head_dim = o_ref.shape[2], o_ref.shape[3], o_ref.shape[4]
+    padded_splits = next_power_of_2(num_splits)
+    rows_p = next_power_of_2(group)
+    chunk = max(1, min(padded_splits, MERGE_CHUNK_ELEMENTS // (rows_p * padded_dim)))
+    rows = jnp.arange(rows_p)  # [Gm]
+    cols = jnp.arange(padded_dim)  # [Dp]
+    row_ok, col_ok = rows < group, cols < head_dim
+    splits = jnp.arange(padded_splits)  # [Sp]
+    ok = (splits < num_splits)[:, None] & row_ok[None, :]  # [Sp, Gm]
+    m = plgpu.load(m_ref.at[b, h, splits[:, None], rows[None, :]], mask=ok, other=-jnp.inf,
+                   volatile=True)  # f32[Sp, Gm]
+    l = plgpu.load(l_ref.at[b, h, splits[:, None], rows[None, :]], mask=ok, other=0.0,
+                   volatile=True)  # f32[Sp, Gm]
+    m_total = jnp.max(m, axis=0)  # f32[Gm]
+    if sinks_ref is not None:
+        sink = plgpu.load(sinks_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gm]
+        m_total = jnp.maximum(m_total, sink)
+    m_total = jnp.where(jnp.abs(m_total) < jnp.inf, m_total, 0.0)
+    l_total = jnp.sum(jnp.exp(m - m_total[None, :]) * l, axis=0)  # f32[Gm]
+    if sinks_ref is not None:
+        l_total = l_total + jnp.exp(sink - m_total)
+
+    def add_chunk(c, o_total):  # o_total: f32[Gm, Dp]
+        s = c * chunk + jnp.arange(chunk)  # [C]
+        s_ok = (s < num_splits)[:, None] & row_ok[None, :]  # [C, Gm]
+        m_c = plgpu.load(m_ref.at[b, h, s[:, None], rows[None, :]], mask=s_ok, other=-jnp.inf,
+                         volatile=True)  # f32[C, Gm]
+        o_c = plgpu.load(o_ref.at[b, h, s[:, None, None], rows[None, :, None], cols[None, None, :]],
+                         mask=s_ok[:, :, None] & col_ok[None, None, :], other=0.0,
+                         volatile=True)  # f32[C, Gm, Dp]
+        weight = jnp.exp(m_c - m_total[None, :])  # f32[C, Gm], 0 for empty splits
+        return o_total + jnp.sum(weight[:, :, None] * o_c, axis=0)
+
+    o_total = jax.lax.fori_loop(0, padded_splits // chunk, add_chunk,
+                                jnp.zeros((rows_p, padded_dim), jnp.float32))
+    has = present & (l_total > 0)  # [Gm]
+    out = jnp.where(has[:, None], o_total / jnp.where(has, l_total, 1.0)[:, None], 0.0)
+    plgpu.store(out_ref.at[b, h, rows[:, None], cols[None, :]], out.astype(out_ref.dtype),
+                mask=row_ok[:, None] & col_ok[None, :])
+    lse = jnp.where(present, m_total + jnp.log(l_total), -jnp.inf)
     plgpu.store(lse_ref.at[b, h, rows], lse, mask=row_ok)
 
 
@@ -318,14 +397,16 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     Arguments as `decode_pallas`.
 
     Returns:
-      with one split, ``(out [batch, kvh, group, head_dim] in q.dtype, lse f32[batch, kvh,
-      group])``; with several, the partial ``(o f32[batch, kvh, splits, group, head_dim], m, l
-      f32[batch, kvh, splits, group])`` that `_merge_splits` combines.
+      with one split, or several and ``config.merge_in_kernel``, ``(out [batch, kvh, group,
+      head_dim] in q.dtype, lse f32[batch, kvh, group])``; with several otherwise, the partial
+      ``(o f32[batch, kvh, splits, group, head_dim], m, l f32[batch, kvh, splits, group])`` that
+      `_merge_splits` combines.
     """
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, kvh, _ = k_cache.shape
     group = num_heads // kvh
     splits = config.num_splits
+    merge_in_kernel = config.merge_in_kernel and splits > 1
     padded_group = max(MIN_DOT_ROWS, next_power_of_2(group))
     padded_dim = max(16, next_power_of_2(head_dim))
     compute_dtype = dot_dtype(q.dtype, k_cache.dtype)
@@ -333,30 +414,40 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     kernel = functools.partial(
         _paged_decode_kernel, scale=scale, block_size=block_size, block_k=config.block_k,
         num_splits=splits, padded_group=padded_group, padded_dim=padded_dim,
-        compute_dtype=compute_dtype, soft_cap=logits_soft_cap, window=sliding_window)
+        compute_dtype=compute_dtype, soft_cap=logits_soft_cap, window=sliding_window,
+        merge_in_kernel=merge_in_kernel, interpret=interpret)
     scales = None if k_scale is None else jnp.stack([k_scale, v_scale]).astype(jnp.float32)
+    finals = (jax.ShapeDtypeStruct((batch, kvh, group, head_dim), q.dtype),
+              jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32))
+    out_shape = finals
     if splits > 1:
         out_shape = (jax.ShapeDtypeStruct((batch, kvh, splits, group, head_dim), jnp.float32),
                      jax.ShapeDtypeStruct((batch, kvh, splits, group), jnp.float32),
                      jax.ShapeDtypeStruct((batch, kvh, splits, group), jnp.float32))
-    else:
-        out_shape = (jax.ShapeDtypeStruct((batch, kvh, group, head_dim), q.dtype),
-                     jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32))
+        if merge_in_kernel:
+            out_shape += finals + (jax.ShapeDtypeStruct((batch, kvh), jnp.int32),)
+    operands = (context_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
+                q.reshape(batch, kvh, group, head_dim),
+                k_cache.reshape(num_blocks * block_size, kvh, head_dim),
+                v_cache.reshape(num_blocks * block_size, kvh, head_dim),
+                per_head(alibi_slopes), per_head(sinks), scales)
+    # merge_in_kernel: the arrival counts start at zero and live in the last output's buffer.
+    arrivals = jnp.zeros((batch, kvh), jnp.int32) if merge_in_kernel else None
+    aliases = {len(jax.tree_util.tree_leaves(operands)): len(out_shape) - 1} if merge_in_kernel \
+        else {}
     name = (f"pallas_paged_decode_bk{config.block_k}_s{splits}_g{group}_d{head_dim}"
-            f"_bs{block_size}")
-    return pl.pallas_call(
+            f"_bs{block_size}" + ("_merged" if merge_in_kernel else ""))
+    outs = pl.pallas_call(
         kernel,
         grid=(batch, kvh, splits),
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=interpret,
         name=name,
-    )(context_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
-      q.reshape(batch, kvh, group, head_dim),
-      k_cache.reshape(num_blocks * block_size, kvh, head_dim),
-      v_cache.reshape(num_blocks * block_size, kvh, head_dim),
-      per_head(alibi_slopes), per_head(sinks), scales)
+    )(*operands, arrivals)
+    return outs[3:5] if merge_in_kernel else outs
 
 
 def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, config: DecodeConfig,
@@ -377,7 +468,7 @@ def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, con
         q, k_cache, v_cache, block_tables, context_lens, scale=scale, config=config,
         interpret=interpret, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
         sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
-    if config.num_splits > 1:
+    if config.num_splits > 1 and not config.merge_in_kernel:
         per_head = None if sinks is None else sinks.reshape(kvh, num_heads // kvh)
         out, lse = merge_splits_pallas(*outs, context_lens.astype(jnp.int32), per_head,
                                        out_dtype=q.dtype,

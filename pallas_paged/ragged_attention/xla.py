@@ -8,9 +8,10 @@ window, ``j > p - W``. Pairs that do not take part are masked in the scores *and
 are zeroed for that token (``0 * NaN`` is NaN), so nothing a query does not see can reach it, not
 even NaN at later positions of its own sequence.
 
-Memory: the per-token rows are ``f32[num_tokens, max_blocks * block_size, num_kv_heads, head_dim]``
-for K and for V. This path is the readable counterpart of the kernel, meant for small problems
-and for checking the kernel on subsets of large ones.
+Memory: the per-token rows are ``f32[tokens, max_blocks * block_size, num_kv_heads, head_dim]``
+for K and for V; tokens go in chunks (`token_chunk`) that keep them under ``ROW_BUDGET_ELEMENTS``
+each (one chunk for small problems), so a large call costs time, not gigabytes. This path is the
+readable counterpart of the kernel, meant for checking it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def paged_attention_xla(q, k_cache, v_cache, block_tables, context_lens, query_s
                         sliding_window=None, sinks=None, k_scale=None, v_scale=None):
     """Ragged paged attention in plain jnp. Arguments as `pallas_paged.paged_attention`.
 
+    Tokens are taken ``token_chunk`` at a time (`token_chunk`), so the per-token rows stay under
+    ``ROW_BUDGET_ELEMENTS``; each token's result does not depend on the others.
+
     Returns:
       ``(out [num_tokens, num_heads, head_dim] in q.dtype, lse f32[num_tokens, num_heads])``.
     """
@@ -61,20 +65,47 @@ def paged_attention_xla(q, k_cache, v_cache, block_tables, context_lens, query_s
     group = num_heads // kvh
     capacity = block_tables.shape[1] * block_size
     seq, pos, n, real = token_positions(query_start_loc, context_lens, num_tokens, capacity)
+    k_rows = gather_sequences(k_cache, block_tables, context_lens)  # [B, P, KVH, D]
+    v_rows = gather_sequences(v_cache, block_tables, context_lens)  # [B, P, KVH, D]
     j = jnp.arange(capacity, dtype=jnp.int32)[None, :]
-    visible = real[:, None] & (j <= pos[:, None]) & (j < n[:, None])  # [T, P]
-    if sliding_window is not None:
-        visible &= j > (pos - sliding_window)[:, None]
-    rows = visible[:, :, None, None]
-    k = gather_sequences(k_cache, block_tables, context_lens)[seq].astype(jnp.float32)
-    v = gather_sequences(v_cache, block_tables, context_lens)[seq].astype(jnp.float32)
-    if k_scale is not None:
-        k, v = k * jnp.asarray(k_scale, jnp.float32), v * jnp.asarray(v_scale, jnp.float32)
-    k = jnp.where(rows, k, 0.0)  # [T, P, KVH, D]
-    v = jnp.where(rows, v, 0.0)  # [T, P, KVH, D]
-    qg = q.astype(jnp.float32).reshape(num_tokens, kvh, group, head_dim)  # h -> kv head h // group
-    s = jnp.einsum("tkgd,tpkd->tkgp", qg, k, precision=HIGHEST) * jnp.float32(scale)
-    out, lse = softmax_attention(s, v, visible, j - pos[:, None], logits_soft_cap=logits_soft_cap,
-                                 alibi_slopes=alibi_slopes, sinks=sinks)
+
+    def attend(q_c, seq_c, pos_c, n_c, real_c):  # the tokens of one chunk: [C, ...]
+        visible = real_c[:, None] & (j <= pos_c[:, None]) & (j < n_c[:, None])  # [C, P]
+        if sliding_window is not None:
+            visible &= j > (pos_c - sliding_window)[:, None]
+        rows = visible[:, :, None, None]
+        k = k_rows[seq_c].astype(jnp.float32)
+        v = v_rows[seq_c].astype(jnp.float32)
+        if k_scale is not None:
+            k, v = k * jnp.asarray(k_scale, jnp.float32), v * jnp.asarray(v_scale, jnp.float32)
+        k = jnp.where(rows, k, 0.0)  # [C, P, KVH, D]
+        v = jnp.where(rows, v, 0.0)  # [C, P, KVH, D]
+        qg = q_c.astype(jnp.float32).reshape(-1, kvh, group, head_dim)  # h -> kv head h // group
+        s = jnp.einsum("tkgd,tpkd->tkgp", qg, k, precision=HIGHEST) * jnp.float32(scale)
+        return softmax_attention(s, v, visible, j - pos_c[:, None],
+                                 logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+                                 sinks=sinks)  # f32[C, KVH, G, D], f32[C, KVH, G]
+
+    chunk = token_chunk(num_tokens, capacity * kvh * head_dim)
+    per_token = (q, seq, pos, n, real)
+    if chunk == num_tokens:
+        out, lse = attend(*per_token)
+    else:
+        steps = -(-num_tokens // chunk)
+        pad = steps * chunk - num_tokens  # padding tokens: real=False, so nothing is visible
+        chunks = tuple(jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(
+            steps, chunk, *x.shape[1:]) for x in per_token)
+        out, lse = jax.lax.map(lambda c: attend(*c), chunks)
+        out, lse = out.reshape(-1, *out.shape[2:])[:num_tokens], lse.reshape(
+            -1, *lse.shape[2:])[:num_tokens]
     return (out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype),
             lse.reshape(num_tokens, num_heads))
+
+
+ROW_BUDGET_ELEMENTS = 1 << 25  # f32 elements of the per-token K rows of one chunk (128 MiB)
+
+
+def token_chunk(num_tokens: int, row_elements: int) -> int:
+    """Tokens per step of `paged_attention_xla`: all of them when their K rows (``row_elements``
+    each) fit in ``ROW_BUDGET_ELEMENTS``, else as many as fit (at least one)."""
+    return max(1, min(num_tokens, ROW_BUDGET_ELEMENTS // max(row_elements, 1)))
