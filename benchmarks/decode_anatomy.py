@@ -1,8 +1,9 @@
 """Where the time of one decode call goes: the Triton kernel's call timed in pieces and against
 stripped-down kernels that read the same bytes, each as a fraction of the same run's copy bandwidth.
 
-Run ``python -m benchmarks.decode_anatomy [--shapes a,b] [--configs a] [--json PATH] [--smoke]``
-(``--configs``: only these shapes get the config variants; default shapes:
+Run ``python -m benchmarks.decode_anatomy [--shapes a,b] [--configs a] [--only x,y] [--json PATH]
+[--smoke]`` (``--configs``: only these shapes get the config variants; ``--only``: only the
+variants whose label contains one of these substrings, e.g. ``decode``; default shapes:
 ``b1_ctx32768``, ``fp8_b32_ctx4096``, ``b32_ctx4096`` from `benchmarks.shapes`). For each shape:
 
 - ``decode``: `pallas_paged.decode` with the config it picks (the reference time);
@@ -116,7 +117,7 @@ def contiguous_tables(tables: np.ndarray, block_size: int, lens: np.ndarray) -> 
 
 
 def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
-              with_configs: bool = True) -> list:
+              with_configs: bool = True, only: tuple[str, ...] = ()) -> list:
     shape = shape_by_name(name)
     copies = s.copies or rotation_copies(shape, min_bytes=ROTATE_BYTES, max_copies=s.max_copies)
     inputs = make_decode_inputs(shape, seed=0, copies=copies)
@@ -150,6 +151,8 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
         straight-line calls in one jitted program (``firsts[i]`` is call ``i``'s own array, so
         XLA cannot merge calls); the first call's output is checked against the reference when
         ``check``."""
+        if only and not any(part in label for part in only):
+            return
         row = {"shape": name, "variant": label, "config": None if config is None else
                dataclasses.asdict(config)}
         try:
@@ -226,6 +229,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=None, help="comma-separated names")
     parser.add_argument("--configs", default=None,
                         help="comma-separated shapes that also get config variants (default: all)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated substrings: only the variants whose label has one")
     parser.add_argument("--json", default=None)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes in interpret mode (the plumbing, not the speed)")
@@ -238,7 +243,8 @@ def main(argv=None) -> int:
     rows = []
     for name in names:
         with_configs = args.configs is None or name in args.configs.split(",")
-        rows += run_shape(name, s, copy["tbps"], interpret, with_configs)
+        rows += run_shape(name, s, copy["tbps"], interpret, with_configs,
+                          tuple(args.only.split(",")) if args.only else ())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(jsonable({"device": jax.devices()[0].device_kind, "copy": copy,

@@ -221,6 +221,32 @@ def test_tuned_snippet_is_python():
                                                num_stages=3)}
 
 
+def test_tuned_snippet_keeps_merge_in_kernel():
+    best = dict(block_k=64, num_splits=64, num_warps=4, num_stages=2, merge_in_kernel=True)
+    rec = {"name": "b1_ctx32768", "shape": {"sliding_window": None},
+           "shape_class": ["bfloat16", 128, 4, 16, 1, 32768],
+           "tune": {"best": best, "default": dict(best, merge_in_kernel=False),
+                    "best_us": 40.0, "default_us": 42.0}}
+    doc = {"meta": {"device": {"device_kind": "NVIDIA H200", "sm_count": 132},
+                    "date": "2026-01-01T00:00:00"}, "shapes": [rec]}
+    namespace = {"DecodeConfig": DecodeConfig}
+    exec(bench.tuned_snippet(doc), namespace)  # noqa: S102 - our own generated code
+    assert namespace["TUNED"] == {("bfloat16", 128, 4, 16, 1, 32768): DecodeConfig(**best)}
+
+
+def test_decode_anatomy_smoke_runs_only_the_chosen_variants(tmp_path):
+    from benchmarks import decode_anatomy
+
+    path = tmp_path / "anatomy.json"
+    code = decode_anatomy.main(["--smoke", "--shapes", "small_b2_ctx64", "--configs", "none",
+                                "--only", "decode,empty kernel", "--json", str(path)])
+    assert code == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["decode", "decode, contiguous pages",
+                                            "empty kernel (launch only)"]
+    assert all(r["status"] == "ok" and r["median_us"] > 0 for r in rows)
+
+
 # ----------------------------------------------------------------------------------------------
 # the smoke run
 
