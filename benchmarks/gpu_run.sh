@@ -2,7 +2,7 @@
 # The GPU run, on a machine where torch and JAX see a CUDA GPU (python3 has both installed):
 #   1. env:    nvidia-smi and the versions of python, jax, jaxlib, torch, triton
 #   2. tests:  every test in tests/ with the compiled kernels, `gpu`-marked ones included
-#   3. parity: python -m parity --device cuda --full
+#   3. parity: python -m parity --device cuda --full --impl xla --impl pallas --impl mosaic
 #   4. bench:  python -m benchmarks.bench (every shape, tuned table), JSON and plot
 #   5. ragged: python -m benchmarks.bench_ragged (the ragged shapes against matmul peak and copy)
 #   6. mosaic: python -m benchmarks.bench_mosaic (impl="mosaic" beside impl="pallas")
@@ -18,6 +18,9 @@
 #                                      # files dealt round-robin; parity --shard i/N): the
 #                                      # machine's cores compile in parallel; logs <step>-<i>.txt
 #   ARCHIVE=logs.tar.gz ...            # at the end, pack every file of <dir> into that one file
+# On one H200 (2026-12-01) the GPU tests took 80-480 s per shard with TEST_SHARDS=6 (the longest:
+# test_examples, test_mutations, test_torch_ref), and the full parity suite 35-185 s per shard
+# with PARITY_SHARDS=10-12: run the two steps in separate calls when a call is limited to 10 min.
 set -u
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-run-$(date -u +%Y%m%dT%H%M%SZ)}}"
@@ -27,7 +30,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 PY="${PYTHON:-python3}"
 STEPS="${STEPS:-env tests parity bench ragged mosaic anatomy e2e}"
 TESTS="${TESTS:-tests}"
-PARITY_ARGS="${PARITY_ARGS---full}"  # set but empty: the default suite
+# The full suite for all three implementations (mosaic on the cases its kernel takes; the
+# others still run every case). Set but empty: the default suite, xla and pallas.
+PARITY_ARGS="${PARITY_ARGS---full --impl xla --impl pallas --impl mosaic}"
 status=0
 
 step() {  # step NAME TIMEOUT_S COMMAND...
