@@ -294,18 +294,15 @@ def mosaic_plan(shape: DecodeBenchShape, interpret: bool, sms: int) -> tuple:
     return config, mosaic_gpu.refusal(q, cache, config, interpret=interpret)
 
 
-def auto_record(shape: DecodeBenchShape, interpret: bool, sms: int) -> dict:
+def auto_record(shape: DecodeBenchShape, interpret: bool, mosaic_refusal: str | None) -> dict:
     """What ``decode(..., impl="auto")`` does on ``shape`` here: ``impl`` (`auto_impl`), ``table``
     (the `configs.IMPL_CHOICE` entry of its class on this device kind, None when unmeasured) and
     ``mosaic_refusal`` (why ``"auto"`` cannot run the Mosaic kernel here: interpret mode, or the
-    kernel's reason for refusing a compiled run; None when it can)."""
+    kernel's reason for refusing a compiled run, ``mosaic_plan``'s; None when it can)."""
     q, cache, tables = abstract_args(shape)
-    facts = decode_shape(q, cache, tables)
-    config = configs.lookup_mosaic(facts, device_kind(), sms)
     return {"impl": auto_impl(q, cache, tables, interpret=interpret),
-            "table": configs.lookup_impl(facts, device_kind()),
-            "mosaic_refusal": "interpret mode" if interpret else
-            mosaic_gpu.refusal(q, cache, config, interpret=False)}
+            "table": configs.lookup_impl(decode_shape(q, cache, tables), device_kind()),
+            "mosaic_refusal": "interpret mode" if interpret else mosaic_refusal}
 
 
 JAX_PA_DEFAULT = (16, 8, 8)  # paged_attention's defaults: k_splits, pages_per_compute_block, warps
@@ -546,7 +543,7 @@ class ShapeBench:
                            default_from_table=configs.shape_class(facts)
                            in configs.TUNED.get(kind, {}),
                            mosaic_config=dataclasses.asdict(mosaic_cfg),
-                           auto=auto_record(shape, s.interpret, self.sms))
+                           auto=auto_record(shape, s.interpret, mosaic_refusal))
         variants: list[Variant] = []
         skipped: list[dict] = []
         if "pallas" in self.impls or self.tune:
@@ -1291,7 +1288,7 @@ def plan(shapes, impls, s: Settings, tune: bool, sms: int) -> str:
         mosaic_runs = "mosaic" in impls and mosaic_plan(shape, s.interpret, sms)[1] is None
         if "mosaic" in impls:
             parts.append("mosaic 1" if mosaic_runs else "mosaic not run")
-        parts.append(f"auto={auto_record(shape, s.interpret, sms)['impl']}")
+        parts.append(f"auto={auto_impl(*abstract_args(shape), interpret=s.interpret)}")
         xla_bytes = 2 * shape.batch * shape.capacity * shape.num_kv_heads * shape.head_dim * 4
         if "xla" in impls:
             parts.append("xla 1" if xla_bytes <= XLA_LIMIT_BYTES else "xla skipped")

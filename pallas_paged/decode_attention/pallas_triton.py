@@ -233,6 +233,29 @@ def _paged_decode_kernel(
     plgpu.store(lse_ref.at[b, h, rows], lse, mask=row_ok)
 
 
+def merged_max_and_sum(m, l, m_max, sink):
+    """The running max and sum of exponentials of several splits together (the merge's first
+    step, in both Pallas merges), over axis 0 of ``m`` and ``l``.
+
+    Args:
+      m, l: f32[splits, ...], each split's running max (-inf for an empty split) and sum.
+      m_max: ``jnp.max(m, axis=0)``, which the caller has.
+      sink: f32[...] (one more logit, with no value row) or None.
+
+    Returns:
+      ``(m_total, l_total, weight)``: ``m_total``, ``l_total`` f32[...]; ``weight = exp(m -
+      m_total)`` f32[splits, ...], each split's factor (0 for empty splits). ``m_total`` is 0
+      where no split and no sink saw a finite logit, so that the weights stay finite.
+    """
+    m_total = m_max if sink is None else jnp.maximum(m_max, sink)
+    m_total = jnp.where(jnp.abs(m_total) < jnp.inf, m_total, 0.0)
+    weight = jnp.exp(m - m_total)
+    l_total = jnp.sum(weight * l, axis=0)
+    if sink is not None:
+        l_total = l_total + jnp.exp(sink - m_total)
+    return m_total, l_total, weight
+
+
 MERGE_CHUNK_ELEMENTS = 8192  # partial-result elements one step of the in-kernel merge loads
 
 
@@ -261,14 +284,9 @@ def merge_partials_in_program(o_ref, m_ref, l_ref, sinks_ref, out_ref, lse_ref, 
                    volatile=True)  # f32[Sp, Gm]
     l = plgpu.load(l_ref.at[b, h, splits[:, None], rows[None, :]], mask=ok, other=0.0,
                    volatile=True)  # f32[Sp, Gm]
-    m_total = jnp.max(m, axis=0)  # f32[Gm]
-    if sinks_ref is not None:
-        sink = plgpu.load(sinks_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gm]
-        m_total = jnp.maximum(m_total, sink)
-    m_total = jnp.where(jnp.abs(m_total) < jnp.inf, m_total, 0.0)
-    l_total = jnp.sum(jnp.exp(m - m_total[None, :]) * l, axis=0)  # f32[Gm]
-    if sinks_ref is not None:
-        l_total = l_total + jnp.exp(sink - m_total)
+    sink = None if sinks_ref is None else plgpu.load(sinks_ref.at[h, rows], mask=row_ok,
+                                                     other=0)  # f32[Gm]
+    m_total, l_total, _ = merged_max_and_sum(m, l, jnp.max(m, axis=0), sink)  # f32[Gm] each
 
     def add_chunk(c, o_total):  # o_total: f32[Gm, Dp]
         s = c * chunk + jnp.arange(chunk)  # [C]
@@ -343,15 +361,8 @@ def _merge_splits_kernel(
     l = plgpu.load(l_ref.at[b, h, splits, g], mask=split_ok, other=0.0)  # f32[Sp]
     m_seen = jnp.max(m)
     present = (lens_ref[b] > 0) if lens_ref is not None else (m_seen > -jnp.inf)
-    m_total = m_seen
-    if sinks_ref is not None:
-        sink = sinks_ref[h, g]
-        m_total = jnp.maximum(m_total, sink)
-    m_total = jnp.where(jnp.abs(m_total) < jnp.inf, m_total, 0.0)
-    weight = jnp.exp(m - m_total)  # f32[Sp], 0 for empty splits (m = -inf)
-    l_total = jnp.sum(weight * l)
-    if sinks_ref is not None:
-        l_total = l_total + jnp.exp(sink - m_total)
+    m_total, l_total, weight = merged_max_and_sum(  # f32[], f32[], f32[Sp]
+        m, l, m_seen, None if sinks_ref is None else sinks_ref[h, g])
     o = plgpu.load(o_ref.at[b, h, splits[:, None], g, cols[None, :]],
                    mask=split_ok[:, None] & col_ok[None, :], other=0.0)  # f32[Sp, Dp]
     o_total = jnp.sum(weight[:, None] * o, axis=0)  # f32[Dp]
