@@ -272,7 +272,7 @@ def _decode_fn(impl, *, config=None, k_scale=None, v_scale=None, window=None, in
 
 def config_label(c: DecodeConfig | MosaicDecodeConfig) -> str:
     if isinstance(c, MosaicDecodeConfig):
-        return f"bk{c.block_k}/s{c.num_splits}/st{c.num_stages}"
+        return f"bk{c.block_k}/s{c.num_splits}/st{c.num_stages}/c{c.num_consumers}"
     return f"bk{c.block_k}/s{c.num_splits}/w{c.num_warps}/st{c.num_stages}"
 
 

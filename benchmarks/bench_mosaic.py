@@ -1,6 +1,7 @@
 """The Mosaic GPU decode kernel beside the Triton one, as fractions of the same run's copy bandwidth.
 
-Run ``python -m benchmarks.bench_mosaic [--shapes a,b,...] [--configs] [--json PATH] [--smoke]``.
+Run ``python -m benchmarks.bench_mosaic [--shapes a,b,...] [--configs] [--config LABEL ...]
+[--json PATH] [--smoke]``.
 For each shape (default: `SHAPES`; bf16 unless named fp8, H=32, KVH=8, D=128, bs=16, random block
 permutations from `benchmarks.shapes`), in one process:
 
@@ -14,7 +15,9 @@ permutations from `benchmarks.shapes`), in one process:
    (`benchmarks.bench.measure_copy_bandwidth`).
 
 ``--configs`` also times a few `MosaicDecodeConfig` candidates per shape (splits and stages around
-the heuristic), to fill `configs.MOSAIC_TUNED`. Every variant is isolated: an error is printed in
+the heuristic), to fill `configs.MOSAIC_TUNED`; ``--config bk64/st4/c2`` (repeatable; any of
+block_k, splits, stages, consumers, as the rows print them) also times, on every shape, the
+heuristic's config with the named fields replaced. Every variant is isolated: an error is printed in
 its row and the run goes on. ``--smoke`` runs tiny shapes in interpret mode (plumbing only).
 """
 
@@ -55,19 +58,37 @@ def _call(impl, inputs, config, interpret):
 
 
 def candidates(shape, heuristic: MosaicDecodeConfig) -> list[MosaicDecodeConfig]:
-    """Configs around the heuristic that fit in shared memory: splits x0.5, x1, x2; stages 2, 4,
-    6; block_k 64, 128."""
+    """Configs around the heuristic that fit in shared memory, two consumer warpgroups first (the
+    most telling: a run may stop early): consumers 2, 1; splits x0.5, x1, x2; stages 2, 4, 6;
+    block_k 64, 128."""
     out = []
-    for factor, stages, block_k in itertools.product((0.5, 1, 2), (2, 4, 6), (64, 128)):
+    for consumers, factor, stages, block_k in itertools.product((2, 1), (0.5, 1, 2), (2, 4, 6),
+                                                                (64, 128)):
         splits = max(1, int(heuristic.num_splits * factor))
-        config = MosaicDecodeConfig(block_k=block_k, num_splits=splits, num_stages=stages)
+        config = MosaicDecodeConfig(block_k=block_k, num_splits=splits, num_stages=stages,
+                                    num_consumers=consumers)
         fits = smem_bytes(shape.head_dim, shape.dtype, shape.query_dtype, config) <= MAX_SMEM_BYTES
         if fits and config not in out and config != heuristic:
             out.append(config)
     return out
 
 
-def bench_shape(shape: DecodeBenchShape, s: Settings, copy_tbps: float, tune: bool) -> list[dict]:
+def parse_config(label: str) -> dict:
+    """``"bk64/st4/c2"`` (parts of `benchmarks.bench.config_label`'s form, any subset) -> the
+    `MosaicDecodeConfig` fields it names, ``{"block_k": 64, "num_stages": 4, ...}``."""
+    fields = {"bk": "block_k", "s": "num_splits", "st": "num_stages", "c": "num_consumers"}
+    values = {}
+    for part in label.split("/"):
+        key = part.rstrip("0123456789")
+        if key not in fields or key == part or fields[key] in values:
+            raise ValueError(f"--config {label!r}: expected distinct parts among bk<int>,"
+                             f" s<int>, st<int>, c<int>, got {part!r}")
+        values[fields[key]] = int(part[len(key):])
+    return values
+
+
+def bench_shape(shape: DecodeBenchShape, s: Settings, copy_tbps: float, tune: bool,
+                overrides: tuple = ()) -> list[dict]:
     name = shape.name
     copies = 1 if s.interpret else rotation_copies(shape, min_bytes=4 * L2_BYTES, max_copies=4)
     inputs = make_decode_inputs(shape, s.seed, copies=copies)
@@ -85,6 +106,15 @@ def bench_shape(shape: DecodeBenchShape, s: Settings, copy_tbps: float, tune: bo
                 ("pallas", None)]
     if tune:
         variants += [("mosaic", c) for c in candidates(shape, variants[0][1])]
+    for fields in overrides:  # the heuristic's config with these fields replaced
+        try:
+            variant = dataclasses.replace(variants[0][1], **fields)
+        except ValueError as e:  # e.g. an odd stage count for two consumers: a row, not a crash
+            rows.append({"shape": name, "impl": "mosaic", "config": str(fields), "error": str(e)})
+            print(_format_row(rows[-1]), flush=True)
+            continue
+        if variant not in (c for _, c in variants):
+            variants.append(("mosaic", variant))
     for impl, config in variants:
         row = {"shape": name, "impl": impl, "config": str(config) if config else "default",
                "class": configs.shape_class(pp_shape(shape))}
@@ -144,6 +174,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=None, help="comma-separated names (benchmarks.shapes)")
     parser.add_argument("--configs", action="store_true", help="also time Mosaic config candidates")
+    parser.add_argument("--config", action="append", default=[], type=parse_config,
+                        help="also time the heuristic's Mosaic config with these fields"
+                        " replaced, e.g. bk64/st4/c2 (repeatable)")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode")
     args = parser.parse_args(argv)
@@ -160,7 +193,7 @@ def main(argv=None) -> int:
           f" {copy['tbps']:.2f} TB/s (read + written)", flush=True)
     rows = []
     for shape in shapes:
-        rows += bench_shape(shape, s, copy["tbps"], args.configs)
+        rows += bench_shape(shape, s, copy["tbps"], args.configs, tuple(args.config))
     print("\nsummary (median time; fraction of copy bandwidth; mosaic speed-up over pallas)")
     for name in names:
         best = {}

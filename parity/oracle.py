@@ -39,6 +39,9 @@ def _float64(x) -> np.ndarray:
     return x.astype(np.float64)
 
 
+QUERY_CHUNK = 256  # queries of one sequence the ragged oracle takes at once (bounds its memory)
+
+
 def oracle_paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, *,
                            logits_soft_cap=None, alibi_slopes=None, sliding_window=None,
                            sinks=None, k_scale=None, v_scale=None):
@@ -70,9 +73,10 @@ def oracle_ragged_attention(q, k_cache, v_cache, block_tables, context_lens, que
     ``j % block_size``; query head ``h`` uses kv head ``h // (H // KVH)``; ALiBi adds
     ``slope[h] * (j - p)``. Only positions that some query of the sequence sees are read, so
     nothing else of the cache or of the table is touched: unused slots may hold NaN and table tails
-    garbage ids. One sequence at a time, vectorized over its queries, heads and positions; each
-    row's softmax is taken against its maximum (the sink included). Rows past
-    ``query_start_loc[B]`` stay zeros and ``-inf``.
+    garbage ids. One sequence at a time, its queries in chunks of `QUERY_CHUNK`, vectorized over
+    queries, heads and positions (the products as float64 matrix products); each row's softmax is
+    taken against its maximum (the sink included). Rows past ``query_start_loc[B]`` stay zeros
+    and ``-inf``.
 
     Args:
       q: ``[num_tokens, H, D]`` floats.
@@ -117,22 +121,28 @@ def oracle_ragged_attention(q, k_cache, v_cache, block_tables, context_lens, que
         blocks, rows = tables[b, positions // block_size], positions % block_size
         keys = np.repeat(_float64(k_cache[blocks, rows]) * k_mult, group, axis=1)    # [P, H, D]
         values = np.repeat(_float64(v_cache[blocks, rows]) * v_mult, group, axis=1)  # [P, H, D]
-        s = np.einsum("qhd,phd->qhp", q[lo:hi], keys) * scale           # [Q, H, P]
-        if logits_soft_cap is not None:
-            s = logits_soft_cap * np.tanh(s / logits_soft_cap)
-        if slopes is not None:
-            s = s + slopes[None, :, None] * (positions[None, :] - query_pos[:, None])[:, None, :]
-        s = np.where(seen[:, None, :], s, -np.inf)
-        m = s.max(axis=2)                                                # [Q, H]
-        if sink is not None:
-            m = np.maximum(m, sink[None, :])
-        weights = np.where(seen[:, None, :], np.exp(s - m[..., None]), 0.0)
-        denom = weights.sum(axis=2)
-        if sink is not None:
-            denom = denom + np.exp(sink[None, :] - m)
         values = np.where(seen.any(axis=0)[:, None, None], values, 0.0)  # unseen rows never enter
-        out[lo:hi] = np.einsum("qhp,phd->qhd", weights, values) / denom[..., None]
-        lse[lo:hi] = m + np.log(denom)
+        keys_t = keys.transpose(1, 2, 0)                                 # [H, D, P]
+        values_h = values.transpose(1, 0, 2)                             # [H, P, D]
+        for c in range(0, hi - lo, QUERY_CHUNK):
+            rows_c = slice(c, min(c + QUERY_CHUNK, hi - lo))             # C queries
+            pos_c, seen_c = query_pos[rows_c], seen[rows_c]
+            s = np.matmul(q[lo:hi][rows_c].transpose(1, 0, 2), keys_t) * scale   # [H, C, P]
+            if logits_soft_cap is not None:
+                s = logits_soft_cap * np.tanh(s / logits_soft_cap)
+            if slopes is not None:
+                s = s + slopes[:, None, None] * (positions[None, :] - pos_c[:, None])[None]
+            s = np.where(seen_c[None], s, -np.inf)
+            m = s.max(axis=2)                                            # [H, C]
+            if sink is not None:
+                m = np.maximum(m, sink[:, None])
+            weights = np.where(seen_c[None], np.exp(s - m[..., None]), 0.0)
+            denom = weights.sum(axis=2)
+            if sink is not None:
+                denom = denom + np.exp(sink[:, None] - m)
+            out_c = np.matmul(weights, values_h) / denom[..., None]      # [H, C, D]
+            out[lo + rows_c.start:lo + rows_c.stop] = out_c.transpose(1, 0, 2)
+            lse[lo + rows_c.start:lo + rows_c.stop] = (m + np.log(denom)).T
     return out, lse
 
 

@@ -23,6 +23,7 @@ import pallas_paged as pp
 import torch_ref
 from oracle import fp8_e4m3fn_to_float, oracle_paged_attention
 from paged_inputs import make_paged, to_numpy
+from benchmarks import bench
 from pallas_paged.decode_attention import api, configs, mosaic_gpu
 from pallas_paged.decode_attention.configs import MosaicDecodeConfig
 from test_decode import numpy_attention, run_torch
@@ -52,6 +53,8 @@ def _needs_the_kernel_api(request):
 ATOL = {"bfloat16": 2e-2, "float16": 3e-3}
 ONE_SPLIT = MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=2)
 THREE_SPLITS = MosaicDecodeConfig(block_k=64, num_splits=3, num_stages=2)
+# Two consumer warpgroups (tiles dealt alternately), with splits: 3 x 2 partial results.
+TWO_CONSUMERS = MosaicDecodeConfig(block_k=64, num_splits=3, num_stages=2, num_consumers=2)
 
 
 def mosaic(paged, config=ONE_SPLIT, **kwargs):
@@ -90,7 +93,9 @@ def every_option(rng, num_heads):
 
 # --- against the oracle and torch_ref ------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,config", [("bfloat16", THREE_SPLITS), ("float16", ONE_SPLIT)])
+@pytest.mark.parametrize("dtype,config", [
+    ("bfloat16", THREE_SPLITS), ("float16", ONE_SPLIT), ("bfloat16", TWO_CONSUMERS),
+    ("float16", MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=4, num_consumers=2))])
 def test_matches_oracle_and_torch_ref(rng, dtype, config):
     paged = make_paged(rng, lens=[150, 0, 1, 16, 17, 64], num_heads=8, num_kv_heads=2,
                        head_dim=64, block_size=16, dtype=dtype)
@@ -124,13 +129,15 @@ def test_block_sizes(rng, block_size):
     assert_matches_oracle(paged, "bfloat16", MosaicDecodeConfig(num_splits=2, num_stages=2))
 
 
-@pytest.mark.parametrize("which", ["alibi_slopes", "sinks", "all"])  # (window, soft-cap: below)
-def test_options(rng, which):
+@pytest.mark.parametrize("which,config", [("alibi_slopes", THREE_SPLITS),
+                                          ("sinks", THREE_SPLITS), ("all", THREE_SPLITS),
+                                          ("all", TWO_CONSUMERS)])  # (window, soft-cap: below)
+def test_options(rng, which, config):
     paged = make_paged(rng, lens=[150, 0, 1, 40, 64], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype="bfloat16")
     every = every_option(rng, 8)
     options = every if which == "all" else {which: every[which]}
-    assert_matches_oracle(paged, "bfloat16", THREE_SPLITS, scale=0.2, **options)
+    assert_matches_oracle(paged, "bfloat16", config, scale=0.2, **options)
 
 
 @pytest.mark.parametrize("window", [1, 17, 100])
@@ -149,11 +156,12 @@ def test_sliding_window_skips_pages_before_it(rng, window):
     np.testing.assert_allclose(out, expected, atol=ATOL["bfloat16"], rtol=0)
 
 
-@pytest.mark.parametrize("q_dtype", ["bfloat16", "float16"])
-def test_fp8_cache(rng, q_dtype):
+@pytest.mark.parametrize("q_dtype,config", [("bfloat16", THREE_SPLITS), ("float16", THREE_SPLITS),
+                                            ("bfloat16", TWO_CONSUMERS)])
+def test_fp8_cache(rng, q_dtype, config):
     paged = make_paged(rng, lens=[100, 0, 17], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype="float8_e4m3fn", q_dtype=q_dtype)
-    assert_matches_oracle(paged, q_dtype, THREE_SPLITS, k_scale=0.5, v_scale=2.0)
+    assert_matches_oracle(paged, q_dtype, config, k_scale=0.5, v_scale=2.0)
 
 
 def test_fp8_scales_may_be_traced_operands(rng):
@@ -315,6 +323,12 @@ def test_config_type_and_fields_are_checked():
         MosaicDecodeConfig(block_k=32)
     with pytest.raises(ValueError, match="num_stages=1 must be >= 2"):
         MosaicDecodeConfig(num_stages=1)
+    with pytest.raises(ValueError, match="num_consumers=3 must be 1 or 2"):
+        MosaicDecodeConfig(num_consumers=3)
+    with pytest.raises(ValueError, match="num_stages=3 must be a multiple of num_consumers=2"):
+        MosaicDecodeConfig(num_stages=3, num_consumers=2)
+    with pytest.raises(ValueError, match="num_consumers=True must be a positive int"):
+        MosaicDecodeConfig(num_consumers=True)
     with pytest.raises(ValueError, match="shared memory"):
         jax.eval_shape(functools.partial(
             pp.decode, impl="mosaic", interpret=True,
@@ -584,16 +598,29 @@ def test_compiled_kernel_at_realistic_shapes(rng, batch, context, dtype):
 
 
 @pytest.mark.gpu
-def test_compiled_kernel_every_option_with_splits(rng):
+@pytest.mark.parametrize("num_consumers", [1, 2])
+def test_compiled_kernel_every_option_with_splits(rng, num_consumers):
     paged = _realistic(rng, 4, 5000, "bfloat16")
     options = every_option(rng, 32)
     options["sliding_window"] = 1500
-    config = MosaicDecodeConfig(block_k=64, num_splits=8, num_stages=4)
+    config = MosaicDecodeConfig(block_k=64, num_splits=8, num_stages=4,
+                                num_consumers=num_consumers)
     jax_options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in options.items()}
     out = pp.decode(*paged.jax(), impl="mosaic", config=config, **jax_options)
     ref = pp.decode(*paged.jax(), impl="xla", **jax_options)
     np.testing.assert_allclose(to_numpy(out).astype(np.float32),
                                to_numpy(ref).astype(np.float32), atol=2e-2, rtol=0)
+
+
+@on_every_jax
+def test_bench_mosaic_config_labels():
+    from benchmarks import bench_mosaic
+    config = MosaicDecodeConfig(block_k=128, num_splits=4, num_stages=2, num_consumers=2)
+    assert MosaicDecodeConfig(**bench_mosaic.parse_config(bench.config_label(config))) == config
+    assert bench_mosaic.parse_config("st4/c2") == {"num_stages": 4, "num_consumers": 2}
+    for bad in ("bk64/s1/x2", "bk64/s", "c2/c1", ""):
+        with pytest.raises(ValueError):
+            bench_mosaic.parse_config(bad)
 
 
 def test_bench_mosaic_smoke(tmp_path, monkeypatch):
@@ -602,10 +629,18 @@ def test_bench_mosaic_smoke(tmp_path, monkeypatch):
     from benchmarks import bench_mosaic
     monkeypatch.setattr(bench_mosaic, "SMOKE_SHAPES", bench_mosaic.SMOKE_SHAPES[:1])
     path = tmp_path / "rows.json"
-    assert bench_mosaic.main(["--smoke", "--json", str(path)]) == 0
+    assert bench_mosaic.main(["--smoke", "--config", "bk64/s2/st2/c2", "--config", "st3/c2",
+                              "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
     assert {(r["shape"], r["impl"]) for r in rows} == {
         (s.name, impl) for s in bench_mosaic.SMOKE_SHAPES for impl in ("mosaic", "pallas")}
+    named = MosaicDecodeConfig(block_k=64, num_splits=2, num_stages=2, num_consumers=2)
+    mosaic_rows = [r for r in rows if r["impl"] == "mosaic"]
+    timed = [r["config"] for r in mosaic_rows if "error" not in r]
+    assert timed[1:] == [str(named)]  # after the heuristic's
+    (refused,) = [r for r in mosaic_rows if "error" in r]  # 3 stages cannot go to 2 consumers
+    assert "must be a multiple of num_consumers=2" in refused["error"]
+    rows = [r for r in rows if "error" not in r]
     for row in rows:
         assert row["correct"], row
         assert row["us"] > 0 and row["of_copy"] > 0, row

@@ -139,14 +139,19 @@ class MosaicDecodeConfig:
       num_splits: KV splits per (sequence, kv head) (flash-decoding); the splits are merged after
         the kernel.
       num_stages: shared-memory stages of the TMA ring (tiles in flight + the one computed), >= 2.
+      num_consumers: consumer warpgroups per CTA, 1 or 2. With 2, consumer ``c`` takes the
+        split's tiles ``c, c + 2, ...`` (the ring's stages ``c, c + 2, ...``, so ``num_stages``
+        must be even) with its own online softmax, so two tiles' dependent chains (wgmma, softmax,
+        wgmma) run at once; each consumer's partial result is one more split for the merge.
     """
 
     block_k: int = 64
     num_splits: int = 1
     num_stages: int = 3
+    num_consumers: int = 1
 
     def __post_init__(self):
-        for name in ("block_k", "num_splits", "num_stages"):
+        for name in ("block_k", "num_splits", "num_stages", "num_consumers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MosaicDecodeConfig.{name}={value!r} must be a positive int")
@@ -154,6 +159,14 @@ class MosaicDecodeConfig:
             raise ValueError(f"MosaicDecodeConfig.block_k={self.block_k} must be 64 or 128")
         if self.num_stages < 2:
             raise ValueError(f"MosaicDecodeConfig.num_stages={self.num_stages} must be >= 2")
+        if self.num_consumers not in (1, 2):
+            raise ValueError(
+                f"MosaicDecodeConfig.num_consumers={self.num_consumers} must be 1 or 2")
+        if self.num_stages % self.num_consumers:
+            raise ValueError(
+                f"MosaicDecodeConfig.num_stages={self.num_stages} must be a multiple of"
+                f" num_consumers={self.num_consumers} (each consumer owns every"
+                f" {self.num_consumers}-th stage of the ring)")
 
 
 def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDecodeConfig:

@@ -5,18 +5,21 @@ Pallas Triton is deprecated from jax 0.11; this is the same operation written fo
 Read top to bottom (the public function is `pallas_paged.decode_attention.api.decode`):
 
 1. `_paged_decode_kernel` works on refs only. One CTA owns one (sequence, kv head, KV split) and
-   has two warpgroups. A tile is ``block_k`` consecutive tokens of the sequence: ``block_k /
+   has a producer warpgroup and ``num_consumers`` (1 or 2) consumer warpgroups. A tile is ``block_k`` consecutive tokens of the sequence: ``block_k /
    block_size`` whole pages (one TMA copy each, addressed by the block id read from the table in
    GMEM) or, for pages larger than a tile, one slice of one page.
-   - The producer warpgroup walks the split's tiles, reads each tile's table entries, waits until
-     its stage of the ring of ``num_stages`` shared-memory stages is free, and issues the TMA
-     copies of K and V, which complete the stage's mbarriers.
-   - The consumer warpgroup computes the ``group`` query heads of the kv head together, as the
+   - The producer warpgroup copies the queries, then walks the split's tiles, reads each tile's
+     table entries, waits until its stage of the ring of ``num_stages`` shared-memory stages is
+     free, and issues the TMA copies of K and V, which complete the stage's mbarriers.
+   - A consumer warpgroup computes the ``group`` query heads of the kv head together, as the
      rows of the wgmma (padded to its minimum M of 64 with zero queries: decode is bound by reading
      the cache, not by the tensor cores): ``S = Q K^T`` and ``P V`` on the tensor cores with fp32
-     accumulators, the online softmax in fp32 registers; then it frees the stage.
-   Each CTA writes its unnormalized ``(o, m, l)``; `_merge_splits` (shared with the Triton kernel)
-   combines the splits, adds the sink and normalizes.
+     accumulators, the online softmax in fp32 registers; then it frees the stage. Consumer ``c``
+     of ``C`` takes the split's tiles ``c, c + C, ...``, which live in the ring's stages ``c, c +
+     C, ...`` (``num_stages`` is a multiple of ``C``), so each stage's barriers have one waiter.
+   Each consumer writes its unnormalized ``(o, m, l)`` as one of the ``num_splits * C`` partial
+   results; `_merge_splits` (shared with the Triton kernel) combines them, adds the sink and
+   normalizes.
 2. `decode_mosaic` checks what the kernel supports, builds the padded (and, for fp8 caches,
    range-shifted) query, calls the kernel over the grid ``(batch, num_kv_heads, num_splits)`` and
    merges.
@@ -67,7 +70,10 @@ MMA_ROWS = 64  # wgmma's M: the query rows of a group, padded with zero queries
 SUPPORTED_HEAD_DIMS = (64, 128)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 KERNEL_NAME = "pallas_paged_decode_mosaic"
-PRODUCER, CONSUMER = 0, 1  # the two warpgroups of a CTA
+PRODUCER = 0  # the producer warpgroup; consumers are warpgroups 1 .. num_consumers
+# Registers per thread with two consumers (three warpgroups share 64K): the producer gives its
+# share to the consumers, whose accumulators and scores live in registers.
+PRODUCER_REGISTERS, CONSUMER_REGISTERS = 40, 232
 MAX_SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on sm_90
 
 
@@ -76,13 +82,15 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
     """Shared memory the kernel allocates for one CTA (the scratch of `_paged_decode_kernel`)."""
     cache, compute = jnp.dtype(cache_dtype).itemsize, jnp.dtype(compute_dtype).itemsize
     tile = config.block_k * head_dim
-    total = MMA_ROWS * head_dim * compute            # q
-    total += 2 * config.num_stages * tile * cache    # the K and V ring
+    consumers = config.num_consumers
+    total = MMA_ROWS * head_dim * compute                    # q
+    total += 2 * config.num_stages * tile * cache            # the K and V ring
     if jnp.dtype(cache_dtype) != jnp.dtype(compute_dtype):
-        total += 2 * tile * compute                  # converted K and V tiles
-    total += MMA_ROWS * config.block_k * compute     # P
-    total += MMA_ROWS * (head_dim + 2 + alibi) * 4   # o, m, l (and the slopes)
-    return total + 8 * (1 + 3 * config.num_stages)   # barriers
+        total += consumers * 2 * tile * compute              # converted K and V tiles
+    total += consumers * MMA_ROWS * config.block_k * compute  # P
+    total += consumers * MMA_ROWS * (head_dim + 2) * 4       # o, m, l
+    total += MMA_ROWS * 4 * alibi                            # the slopes
+    return total + 8 * (1 + 3 * config.num_stages)           # barriers
 
 
 def jax_version() -> tuple[int, ...]:
@@ -183,9 +191,10 @@ def _paged_decode_kernel(
     v_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]
     alibi_ref,    # f32[num_kv_heads, 64] or None
     scores_ref,   # f32[batch, num_kv_heads] or None (fp8): scale * k_scale * q's power of two
-    o_ref,        # f32[batch, num_kv_heads, num_splits, group, head_dim], unnormalized
-    m_ref,        # f32[batch, num_kv_heads, num_splits, 64], running max
-    l_ref,        # f32[batch, num_kv_heads, num_splits, 64], sum of exponentials
+    o_ref,        # f32[batch, num_kv_heads, num_splits * C, group, head_dim], unnormalized
+    m_ref,        # f32[batch, num_kv_heads, num_splits * C, 64], running max
+    l_ref,        # f32[batch, num_kv_heads, num_splits * C, 64], sum of exponentials
+                  # (C = num_consumers: partial result split * C + c is consumer c's)
     *,
     plgpu,
     scale: float,
@@ -193,6 +202,7 @@ def _paged_decode_kernel(
     block_k: int,
     num_splits: int,
     num_stages: int,
+    num_consumers: int,
     soft_cap: float | None,
     window: int | None,
     compute_dtype,
@@ -212,11 +222,12 @@ def _paged_decode_kernel(
 
     def body(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem, ml_smem,
              q_bar, k_bars, v_bars, free_bars):
-        # q_smem [64, D]; k_smem, v_smem [stages, block_k, D] in the cache dtype; kc_smem, vc_smem
-        # [block_k, D] in compute_dtype (fp8 caches only, else None); p_smem [64, block_k] in
-        # compute_dtype; alibi_smem f32[64] or None; o_smem f32[64, D]; ml_smem f32[2, 64].
-        # Barriers: q_bar; k_bars[stages], v_bars[stages] (TMA done); free_bars[stages] (the
-        # consumer is done with a stage).
+        # q_smem [64, D]; k_smem, v_smem [stages, block_k, D] in the cache dtype; per consumer
+        # (leading axis C): kc_smem, vc_smem [C, block_k, D] in compute_dtype (fp8 caches only,
+        # else None), p_smem [C, 64, block_k] in compute_dtype, o_smem f32[C, 64, D], ml_smem
+        # f32[C, 2, 64]; alibi_smem f32[64] or None. Barriers: q_bar (queries and slopes);
+        # k_bars[stages], v_bars[stages] (TMA done); free_bars[stages] (a consumer is done with a
+        # stage).
         copies = _copies_per_tile(block_size, block_k)
 
         def block_ids(tile):
@@ -249,6 +260,12 @@ def _paged_decode_kernel(
 
         @pl.when(wg == PRODUCER)
         def _producer():
+            if num_consumers > 1:
+                plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
+            if alibi_smem is not None:
+                plgpu.copy_gmem_to_smem(alibi_ref.at[h], alibi_smem, q_bar)
+
             # Walks the tiles at most `num_stages` ahead of the consumer. A tile's table entries
             # are loaded before waiting for its stage to be free, so their latency hides behind
             # the wait (only tiles of the range are visited: an empty range reads no entry).
@@ -263,25 +280,29 @@ def _paged_decode_kernel(
 
                 issue(tile_lo + step, slot, blocks)
 
-        @pl.when(wg == CONSUMER)
+        @pl.when(wg != PRODUCER)
         def _consumer():
-            consume(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem,
-                    ml_smem, q_bar, k_bars, v_bars, free_bars)
+            if num_consumers > 1:
+                plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            c = wg - 1
+            consume(c, q_smem, k_smem, v_smem,
+                    None if kc_smem is None else kc_smem.at[c],
+                    None if vc_smem is None else vc_smem.at[c], p_smem.at[c], alibi_smem,
+                    o_smem.at[c], ml_smem.at[c], q_bar, k_bars, v_bars, free_bars)
 
-    def consume(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem, ml_smem,
+    def consume(c, q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem, ml_smem,
                 q_bar, k_bars, v_bars, free_bars):
-        """The consumer warpgroup: the online softmax over the tiles, then the partial results."""
-        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
-        if alibi_smem is not None:
-            plgpu.copy_gmem_to_smem(alibi_ref.at[h], alibi_smem, q_bar)
+        """Consumer ``c``: the online softmax over its tiles (``c, c + C, ...`` of the split),
+        then its partial results. The per-consumer refs come without their leading axis."""
         plgpu.barrier_wait(q_bar)
         if alibi_smem is not None:
             # f32[64], one slope per row of the scores (the layout of their row reductions).
             slopes = plgpu.load(alibi_smem, layout=plgpu.Layout.WGMMA.reduce(1))
         score_scale = scale if scores_ref is None else scores_ref[b, h]
 
-        def tile_body(step, carry):
+        def tile_body(i, carry):
             acc, m_prev, l_prev = carry  # f32[64, D], f32[64], f32[64]
+            step = c + i * num_consumers  # the split's tile counted from tile_lo
             tile = tile_lo + step
             slot = jax.lax.rem(step, num_stages)
             pos = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, (MMA_ROWS, block_k), 1)
@@ -353,14 +374,16 @@ def _paged_decode_kernel(
         carry = (jnp.zeros((MMA_ROWS, head_dim), jnp.float32),
                  jnp.full((MMA_ROWS,), -jnp.inf, jnp.float32),
                  jnp.zeros((MMA_ROWS,), jnp.float32))
-        acc, m, l = jax.lax.fori_loop(0, num_tiles, tile_body, carry)
+        my_tiles = (num_tiles - c + num_consumers - 1) // num_consumers  # >= 0
+        acc, m, l = jax.lax.fori_loop(0, my_tiles, tile_body, carry)
         o_smem[...] = acc
         ml_smem[0] = m
         ml_smem[1] = l
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[b, h, split])
-        plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[b, h, split])
-        plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[b, h, split])
+        part = split * num_consumers + c
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[b, h, part])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[b, h, part])
+        plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[b, h, part])
         plgpu.wait_smem_to_gmem(0)
 
     def smem(shape, dtype, *, mma_operand):
@@ -373,16 +396,17 @@ def _paged_decode_kernel(
             plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
 
     cache_dtype = k_ref.dtype
+    consumers = num_consumers
     scratch = (
         smem((MMA_ROWS, head_dim), compute_dtype, mma_operand=True),
         smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
         smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
-        smem((block_k, head_dim), compute_dtype, mma_operand=True) if convert else None,
-        smem((block_k, head_dim), compute_dtype, mma_operand=True) if convert else None,
-        smem((MMA_ROWS, block_k), compute_dtype, mma_operand=True),
+        smem((consumers, block_k, head_dim), compute_dtype, mma_operand=True) if convert else None,
+        smem((consumers, block_k, head_dim), compute_dtype, mma_operand=True) if convert else None,
+        smem((consumers, MMA_ROWS, block_k), compute_dtype, mma_operand=True),
         smem((MMA_ROWS,), jnp.float32, mma_operand=False) if alibi_ref is not None else None,
-        smem((MMA_ROWS, head_dim), jnp.float32, mma_operand=False),
-        smem((2, MMA_ROWS), jnp.float32, mma_operand=False),
+        smem((consumers, MMA_ROWS, head_dim), jnp.float32, mma_operand=False),
+        smem((consumers, 2, MMA_ROWS), jnp.float32, mma_operand=False),
         plgpu.Barrier(num_arrivals=1 if alibi_ref is None else 2),  # q (and the slopes)
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
@@ -423,6 +447,7 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
     _, _, kvh, _ = k_cache.shape
     group = num_heads // kvh
     splits = config.num_splits
+    parts = splits * config.num_consumers  # partial results per (sequence, kv head)
     compute_dtype = dot_dtype(q.dtype, k_cache.dtype)  # fp16 for fp8 caches
     lens = context_lens.astype(jnp.int32)
     tables = block_tables.astype(jnp.int32)
@@ -450,7 +475,7 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
     body = functools.partial(
         _paged_decode_kernel, plgpu=plgpu, scale=scale, group=group,
         block_k=config.block_k, num_splits=splits, num_stages=config.num_stages,
-        soft_cap=logits_soft_cap, window=sliding_window, compute_dtype=compute_dtype)
+        num_consumers=config.num_consumers, soft_cap=logits_soft_cap, window=sliding_window, compute_dtype=compute_dtype)
     optional = {"alibi": alibi, "scores": score_multipliers}  # inputs only some calls have
     present = [name for name, x in optional.items() if x is not None]
 
@@ -460,17 +485,17 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
              *rest[len(present):])
 
     operands = (lens, tables, q_padded, k_cache, v_cache, *(optional[name] for name in present))
-    out_type = (jax.ShapeDtypeStruct((batch, kvh, splits, group, head_dim), jnp.float32),
-                jax.ShapeDtypeStruct((batch, kvh, splits, MMA_ROWS), jnp.float32),
-                jax.ShapeDtypeStruct((batch, kvh, splits, MMA_ROWS), jnp.float32))
-    name = (f"{KERNEL_NAME}_bk{config.block_k}_s{splits}_st{config.num_stages}_g{group}"
-            f"_d{head_dim}_bs{k_cache.shape[1]}")
+    out_type = (jax.ShapeDtypeStruct((batch, kvh, parts, group, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((batch, kvh, parts, MMA_ROWS), jnp.float32),
+                jax.ShapeDtypeStruct((batch, kvh, parts, MMA_ROWS), jnp.float32))
+    name = (f"{KERNEL_NAME}_bk{config.block_k}_s{splits}_st{config.num_stages}"
+            f"_c{config.num_consumers}_g{group}_d{head_dim}_bs{k_cache.shape[1]}")
     o, m, l = plgpu.kernel(
         kernel_body,
         out_type=out_type,
         grid=(batch, kvh, splits),
         grid_names=("batch", "kv_head", "split"),
-        num_threads=2,
+        num_threads=1 + config.num_consumers,
         thread_name="wg",
         kernel_name=name,
         compiler_params=plgpu.CompilerParams(approx_math=False),
