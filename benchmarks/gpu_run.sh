@@ -77,8 +77,11 @@ test_shard() {  # the pytest command of shard $1 of $2: every $2-th test file ("
   if [ -z "$mine" ]; then echo true; return; fi  # pytest without paths would run every test
   echo "$PY -m pytest -q -p no:cacheprovider -o addopts=-ra" $mine
 }
-parity_shard() {  # the parity command of shard $1 of $2
-  echo "$PY -m parity --device cuda $PARITY_ARGS --shard $1/$2 --json $out/parity-$1.json"
+parity_shard() {  # the parity command of shard $1 of $2, its BLAS threads its share of the cores
+  local threads=$(( $(nproc) / $2 ))
+  [ "$threads" -ge 1 ] || threads=1
+  echo "env OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads MKL_NUM_THREADS=$threads" \
+    "$PY -m parity --device cuda $PARITY_ARGS --shard $1/$2 --json $out/parity-$1.json"
 }
 
 # shellcheck disable=SC2086  # the *_ARGS and TESTS lists split into words on purpose

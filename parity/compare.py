@@ -351,8 +351,9 @@ def case_outputs(case: Case, device: str = "cpu", *, impls: Sequence[str] = IMPL
 
         start = time.perf_counter()
         view = decode_view(case, inputs)  # ragged: one decode row per query
-        truth, baseline, tolerances = tolerance.reference_outputs(case, view, k_expected,
-                                                                  v_expected, device)
+        truth, baseline, tolerances = tolerance.reference_outputs(
+            case, view, k_expected, v_expected, device,
+            ragged_inputs=inputs if case.ragged else None)
         lse = truth.get("lse")
         if lse is None:
             lse = np.zeros(inputs["q"].shape[:2])

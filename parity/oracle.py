@@ -74,7 +74,8 @@ def oracle_ragged_attention(q, k_cache, v_cache, block_tables, context_lens, que
     ``slope[h] * (j - p)``. Only positions that some query of the sequence sees are read, so
     nothing else of the cache or of the table is touched: unused slots may hold NaN and table tails
     garbage ids. One sequence at a time, its queries in chunks of `QUERY_CHUNK`, vectorized over
-    queries, heads and positions (the products as float64 matrix products); each row's softmax is
+    queries, heads and positions (the products as float64 matrix products, each kv head's group of
+    query heads in one); each row's softmax is
     taken against its maximum (the sink included). Rows past ``query_start_loc[B]`` stay zeros
     and ``-inf``.
 
@@ -119,15 +120,19 @@ def oracle_ragged_attention(q, k_cache, v_cache, block_tables, context_lens, que
         if sliding_window is not None:
             seen &= positions[None, :] > (query_pos - int(sliding_window))[:, None]
         blocks, rows = tables[b, positions // block_size], positions % block_size
-        keys = np.repeat(_float64(k_cache[blocks, rows]) * k_mult, group, axis=1)    # [P, H, D]
-        values = np.repeat(_float64(v_cache[blocks, rows]) * v_mult, group, axis=1)  # [P, H, D]
+        keys = _float64(k_cache[blocks, rows]) * k_mult                  # [P, KVH, D]
+        values = _float64(v_cache[blocks, rows]) * v_mult                # [P, KVH, D]
         values = np.where(seen.any(axis=0)[:, None, None], values, 0.0)  # unseen rows never enter
-        keys_t = keys.transpose(1, 2, 0)                                 # [H, D, P]
-        values_h = values.transpose(1, 0, 2)                             # [H, P, D]
+        keys_t = keys.transpose(1, 2, 0)                                 # [KVH, D, P]
+        values_k = values.transpose(1, 0, 2)                             # [KVH, P, D]
         for c in range(0, hi - lo, QUERY_CHUNK):
             rows_c = slice(c, min(c + QUERY_CHUNK, hi - lo))             # C queries
             pos_c, seen_c = query_pos[rows_c], seen[rows_c]
-            s = np.matmul(q[lo:hi][rows_c].transpose(1, 0, 2), keys_t) * scale   # [H, C, P]
+            chunk = pos_c.shape[0]
+            # Query head h = k * group + g uses kv head k: the group's heads share one product.
+            q_c = q[lo:hi][rows_c].reshape(chunk, num_kv_heads, group, head_dim)
+            q_k = q_c.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * chunk, head_dim)
+            s = np.matmul(q_k, keys_t).reshape(num_heads, chunk, -1) * scale    # [H, C, P]
             if logits_soft_cap is not None:
                 s = logits_soft_cap * np.tanh(s / logits_soft_cap)
             if slopes is not None:
@@ -140,7 +145,8 @@ def oracle_ragged_attention(q, k_cache, v_cache, block_tables, context_lens, que
             denom = weights.sum(axis=2)
             if sink is not None:
                 denom = denom + np.exp(sink[:, None] - m)
-            out_c = np.matmul(weights, values_h) / denom[..., None]      # [H, C, D]
+            out_c = np.matmul(weights.reshape(num_kv_heads, group * chunk, -1), values_k)
+            out_c = out_c.reshape(num_heads, chunk, head_dim) / denom[..., None]  # [H, C, D]
             out[lo + rows_c.start:lo + rows_c.stop] = out_c.transpose(1, 0, 2)
             lse[lo + rows_c.start:lo + rows_c.stop] = (m + np.log(denom)).T
     return out, lse

@@ -80,7 +80,7 @@ import torch
 
 from parity import convert
 from parity.cases import Case
-from parity.oracle import oracle_paged_attention
+from parity.oracle import oracle_paged_attention, oracle_ragged_attention
 
 __all__ = [
     "ATOL",
@@ -425,19 +425,34 @@ def naive_attention(case: Case, inputs: dict[str, np.ndarray], k_cache: np.ndarr
 
 
 def reference_outputs(case: Case, inputs: dict[str, np.ndarray], k_cache: np.ndarray,
-                      v_cache: np.ndarray, device: str = "cpu"):
+                      v_cache: np.ndarray, device: str = "cpu",
+                      ragged_inputs: dict[str, np.ndarray] | None = None):
     """Truth, baselines and tolerances of a case's decode outputs.
+
+    Args:
+      inputs: the decode view of the case (`parity.cases.decode_view`: one decode row per query).
+      ragged_inputs: a ragged case's own inputs (`make_inputs`), or None. When given, the truth
+        is `oracle_ragged_attention` over them, one sequence at a time, which SPEC.md makes equal
+        to the decode view's rows (up to float64 rounding) at a fraction of the cost: a
+        sequence's positions are gathered once, not once per query.
 
     Returns:
       ``(truth, baseline, tolerances)``: dicts keyed by ``"out"`` (and ``"lse"`` when the case
       returns it) of float64 arrays, float64 arrays and `Tolerance`.
     """
     out_dtype = case.q_dtype
-    truth_out, truth_lse = oracle_paged_attention(
-        inputs["q"], k_cache, v_cache, inputs["block_tables"], inputs["context_lens"], case.scale,
-        logits_soft_cap=case.logits_soft_cap, alibi_slopes=inputs.get("alibi_slopes"),
-        sliding_window=case.sliding_window, sinks=inputs.get("sinks"), k_scale=case.k_scale,
-        v_scale=case.v_scale)
+    options = dict(logits_soft_cap=case.logits_soft_cap, alibi_slopes=inputs.get("alibi_slopes"),
+                   sliding_window=case.sliding_window, sinks=inputs.get("sinks"),
+                   k_scale=case.k_scale, v_scale=case.v_scale)
+    if ragged_inputs is not None:
+        truth_out, truth_lse = oracle_ragged_attention(
+            ragged_inputs["q"], k_cache, v_cache, ragged_inputs["block_tables"],
+            ragged_inputs["context_lens"], ragged_inputs["query_start_loc"], case.scale,
+            **options)
+    else:
+        truth_out, truth_lse = oracle_paged_attention(
+            inputs["q"], k_cache, v_cache, inputs["block_tables"], inputs["context_lens"],
+            case.scale, **options)
     base_out, base_lse = naive_attention(case, inputs, k_cache, v_cache, out_dtype, device)
     truth = {"out": truth_out}
     baseline = {"out": base_out}

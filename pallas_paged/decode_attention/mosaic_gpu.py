@@ -75,11 +75,15 @@ PRODUCER = 0  # the producer warpgroup; consumers are warpgroups 1 .. num_consum
 # share to the consumers, whose accumulators and scores live in registers.
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 40, 232
 MAX_SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on sm_90
+# Shared memory Mosaic GPU's kernel takes beyond the scratch below (measured on the H200, jax
+# 0.11.2: a CTA of 230504 scratch bytes was 232552 bytes).
+MOSAIC_OWN_SMEM_BYTES = 2048
 
 
 def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeConfig,
                alibi: bool = False) -> int:
-    """Shared memory the kernel allocates for one CTA (the scratch of `_paged_decode_kernel`)."""
+    """Shared memory one CTA of the kernel takes: the scratch of `_paged_decode_kernel` and
+    `MOSAIC_OWN_SMEM_BYTES`."""
     cache, compute = jnp.dtype(cache_dtype).itemsize, jnp.dtype(compute_dtype).itemsize
     tile = config.block_k * head_dim
     consumers = config.num_consumers
@@ -90,7 +94,8 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
     total += consumers * MMA_ROWS * config.block_k * compute  # P
     total += consumers * MMA_ROWS * (head_dim + 2) * 4       # o, m, l
     total += MMA_ROWS * 4 * alibi                            # the slopes
-    return total + 8 * (1 + 3 * config.num_stages)           # barriers
+    total += 8 * (1 + 3 * config.num_stages)                 # barriers
+    return total + MOSAIC_OWN_SMEM_BYTES
 
 
 def jax_version() -> tuple[int, ...]:
