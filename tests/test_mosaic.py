@@ -598,12 +598,12 @@ def test_compiled_kernel_at_realistic_shapes(rng, batch, context, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_consumers", [1, 2])
-def test_compiled_kernel_every_option_with_splits(rng, num_consumers):
+@pytest.mark.parametrize("num_consumers,num_stages", [(1, 4), (2, 2)])  # (2, 4): over the smem
+def test_compiled_kernel_every_option_with_splits(rng, num_consumers, num_stages):
     paged = _realistic(rng, 4, 5000, "bfloat16")
     options = every_option(rng, 32)
     options["sliding_window"] = 1500
-    config = MosaicDecodeConfig(block_k=64, num_splits=8, num_stages=4,
+    config = MosaicDecodeConfig(block_k=64, num_splits=8, num_stages=num_stages,
                                 num_consumers=num_consumers)
     jax_options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in options.items()}
     out = pp.decode(*paged.jax(), impl="mosaic", config=config, **jax_options)
