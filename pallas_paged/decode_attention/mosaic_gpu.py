@@ -5,9 +5,10 @@ Pallas Triton is deprecated from jax 0.11; this is the same operation written fo
 Read top to bottom (the public function is `pallas_paged.decode_attention.api.decode`):
 
 1. `_paged_decode_kernel` works on refs only. One CTA owns one (sequence, kv head, KV split) and
-   has a producer warpgroup and ``num_consumers`` (1 or 2) consumer warpgroups. A tile is ``block_k`` consecutive tokens of the sequence: ``block_k /
-   block_size`` whole pages (one TMA copy each, addressed by the block id read from the table in
-   GMEM) or, for pages larger than a tile, one slice of one page.
+   has a producer warpgroup and ``num_consumers`` (1 or 2) consumer warpgroups. A tile is
+   ``block_k`` consecutive tokens of the sequence: ``block_k / block_size`` whole pages (one TMA
+   copy each, addressed by the block id read from the table in GMEM) or, for pages larger than a
+   tile, one slice of one page.
    - The producer warpgroup copies the queries, then walks the split's tiles, reads each tile's
      table entries, waits until its stage of the ring of ``num_stages`` shared-memory stages is
      free, and issues the TMA copies of K and V, which complete the stage's mbarriers.
@@ -480,7 +481,8 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
     body = functools.partial(
         _paged_decode_kernel, plgpu=plgpu, scale=scale, group=group,
         block_k=config.block_k, num_splits=splits, num_stages=config.num_stages,
-        num_consumers=config.num_consumers, soft_cap=logits_soft_cap, window=sliding_window, compute_dtype=compute_dtype)
+        num_consumers=config.num_consumers, soft_cap=logits_soft_cap, window=sliding_window,
+        compute_dtype=compute_dtype)
     optional = {"alibi": alibi, "scores": score_multipliers}  # inputs only some calls have
     present = [name for name, x in optional.items() if x is not None]
 
