@@ -376,14 +376,13 @@ def tune_stage1(shape: DecodeBenchShape, base: DecodeConfig, heuristic: DecodeCo
         for splits in sorted({max(1, h // 2), h, min(64, 2 * h)}):
             if splits > tiles:
                 continue
-            out.append(DecodeConfig(block_k, splits, base.num_warps, base.num_stages,
-                                    base.merge_in_kernel))
+            out.append(dataclasses.replace(base, block_k=block_k, num_splits=splits))
     return out
 
 
 def tune_stage2(shape: DecodeBenchShape, best: DecodeConfig) -> list:
     """num_warps x num_stages at the best (block_k, num_splits)."""
-    return [DecodeConfig(best.block_k, best.num_splits, w, st, best.merge_in_kernel) for w in (4, 8)
+    return [dataclasses.replace(best, num_warps=w, num_stages=st) for w in (4, 8)
             for st in (1, 2, 3, 4) if _tile_bytes(best.block_k, shape, st) <= SMEM_BYTES]
 
 
@@ -392,8 +391,8 @@ def tune_stage3(ranked: list, best: DecodeConfig) -> list:
     out = []
     for c in ranked:
         if (c.block_k, c.num_splits) != (best.block_k, best.num_splits):
-            out.append(DecodeConfig(c.block_k, c.num_splits, best.num_warps, best.num_stages,
-                                    c.merge_in_kernel))
+            out.append(dataclasses.replace(c, num_warps=best.num_warps,
+                                           num_stages=best.num_stages))
         if len(out) == 3:
             break
     return out

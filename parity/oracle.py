@@ -75,9 +75,8 @@ def oracle_ragged_attention(q, k_cache, v_cache, block_tables, context_lens, que
     nothing else of the cache or of the table is touched: unused slots may hold NaN and table tails
     garbage ids. One sequence at a time, its queries in chunks of `QUERY_CHUNK`, vectorized over
     queries, heads and positions (the products as float64 matrix products, each kv head's group of
-    query heads in one); each row's softmax is
-    taken against its maximum (the sink included). Rows past ``query_start_loc[B]`` stay zeros
-    and ``-inf``.
+    query heads in one); each row's softmax is taken against its maximum (the sink included).
+    Rows past ``query_start_loc[B]`` stay zeros and ``-inf``.
 
     Args:
       q: ``[num_tokens, H, D]`` floats.

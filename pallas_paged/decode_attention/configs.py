@@ -188,10 +188,8 @@ def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDeco
     itemsize = jnp.dtype(shape.cache_dtype).itemsize
     block_k = 128 if itemsize == 2 else 64
     stage_bytes = 2 * block_k * shape.head_dim * itemsize
-    num_stages = max(2, min(4, (128 * 1024) // stage_bytes))
     num_consumers = 1 if itemsize == 2 else 2
-    if num_consumers == 2:
-        num_stages = 2
+    num_stages = max(2, min(4, (128 * 1024) // stage_bytes)) if num_consumers == 1 else 2
     programs = max(shape.batch * shape.num_kv_heads, 1)
     wanted = (2 * sm_count) / programs
     splits = 1 << max(0, round(math.log2(wanted))) if wanted > 1 else 1

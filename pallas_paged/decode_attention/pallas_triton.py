@@ -235,7 +235,8 @@ def _paged_decode_kernel(
 
 def merged_max_and_sum(m, l, m_max, sink):
     """The running max and sum of exponentials of several splits together (the merge's first
-    step, in both Pallas merges), over axis 0 of ``m`` and ``l``.
+    step, in every merge: `_merge_splits`, the merge kernel, the in-kernel merge), over axis 0 of
+    ``m`` and ``l``.
 
     Args:
       m, l: f32[splits, ...], each split's running max (-inf for an empty split) and sum.
@@ -321,15 +322,10 @@ def _merge_splits(o, m, l, n, sinks):
     Returns:
       ``(out f32[batch, kvh, group, head_dim], lse f32[batch, kvh, group])``.
     """
-    m_total = m.max(axis=2)
-    if sinks is not None:
-        m_total = jnp.maximum(m_total, sinks[None])
-    m_total = jnp.where(jnp.isfinite(m_total), m_total, 0.0)
-    weight = jnp.exp(m - m_total[:, :, None])  # 0 for empty splits (m = -inf)
-    l_total = (weight * l).sum(axis=2)
-    if sinks is not None:
-        l_total = l_total + jnp.exp(sinks[None] - m_total)
-    o_total = (weight[..., None] * o).sum(axis=2)
+    m, l = jnp.moveaxis(m, 2, 0), jnp.moveaxis(l, 2, 0)  # f32[splits, batch, kvh, group]
+    m_total, l_total, weight = merged_max_and_sum(m, l, m.max(axis=0),
+                                                  None if sinks is None else sinks[None])
+    o_total = jnp.sum(weight[..., None] * jnp.moveaxis(o, 2, 0), axis=0)
     has_rows = (n > 0)[:, None, None]
     out = jnp.where(has_rows[..., None] & (l_total > 0)[..., None],
                     o_total / jnp.where(l_total > 0, l_total, 1.0)[..., None], 0.0)
