@@ -145,6 +145,21 @@ def smoke_settings(base: Settings) -> Settings:
 # Helpers (the timer and the copy bandwidth are `benchmarks.timing`'s)
 
 
+def parse_config_label(label: str, fields: dict) -> dict:
+    """``"bk64/st4"`` -> the config fields its parts name, ``{"block_k": 64, "num_stages": 4}``;
+    ``fields`` maps each part's prefix (``"bk"``) to its field name. ValueError for an unknown or
+    repeated part (argparse's ``type=`` turns it into a usage error)."""
+    values = {}
+    for part in label.split("/"):
+        key = part.rstrip("0123456789")
+        if key not in fields or key == part or fields[key] in values:
+            prefixes = ", ".join(f"{k}<int>" for k in fields)
+            raise ValueError(f"config {label!r}: expected distinct parts among {prefixes},"
+                             f" got {part!r}")
+        values[fields[key]] = int(part[len(key):])
+    return values
+
+
 def _short(text: str, n: int = 60) -> str:
     line = " ".join(str(text).split())
     return line if len(line) <= n else line[: n - 3] + "..."

@@ -32,13 +32,14 @@ import sys
 import jax
 import numpy as np
 
-from benchmarks.bench import Settings, _error, compare, measure, measure_copy_bandwidth, smoke_settings
+from benchmarks.bench import (Settings, _error, compare, measure, measure_copy_bandwidth,
+                              parse_config_label, smoke_settings)
 from benchmarks.shapes import DecodeBenchShape, make_decode_inputs, rotation_copies, shape_by_name
 from pallas_paged._platform import has_gpu, sm_count
 from pallas_paged.decode_attention import configs
 from pallas_paged.decode_attention.api import decode
 from pallas_paged.decode_attention.configs import MosaicDecodeConfig
-from pallas_paged.decode_attention.mosaic_gpu import MAX_SMEM_BYTES, smem_bytes
+from pallas_paged.decode_attention.mosaic_gpu import MAX_SMEM_BYTES, decode_mosaic, smem_bytes
 
 SHAPES = ("b1_ctx32768", "b32_ctx4096", "b128_ctx1024", "mha_b32_ctx4096", "fp8_b32_ctx4096")
 # The smoke run's shapes: tiny, with a head_dim the Mosaic kernel takes (the shared SMALL_SHAPES
@@ -47,10 +48,20 @@ SMOKE_SHAPES = (DecodeBenchShape("smoke_d64_b2_ctx128", 2, 8, 2, 64, 16, 128),
                 DecodeBenchShape("smoke_fp8_d64_b2_ctx128", 2, 8, 2, 64, 16, 128,
                                  dtype="float8_e4m3fn"))
 L2_BYTES = 60e6
+# The timing probe of `decode_mosaic(..., producer_only=True)`: the Mosaic kernel's producer
+# streaming every tile, consumers that only wait and free (its output is not attention: timed,
+# never compared).
+PRODUCER_PROBE = "mosaic-producer-only"
 
 
 def _call(impl, inputs, config, interpret):
     shape = inputs.shape
+    if impl == PRODUCER_PROBE:
+        return jax.jit(lambda q, k, v, t, n: decode_mosaic(
+            q, k, v, t, n, scale=shape.head_dim ** -0.5, config=config,
+            interpret=bool(interpret), logits_soft_cap=None, alibi_slopes=None,
+            sliding_window=shape.sliding_window, sinks=None, k_scale=inputs.k_scale,
+            v_scale=inputs.v_scale, producer_only=True)[0])
     fn = jax.jit(lambda q, k, v, t, n: decode(
         q, k, v, t, n, impl=impl, config=config, k_scale=inputs.k_scale, v_scale=inputs.v_scale,
         sliding_window=shape.sliding_window, interpret=interpret))
@@ -76,19 +87,12 @@ def candidates(shape, heuristic: MosaicDecodeConfig) -> list[MosaicDecodeConfig]
 def parse_config(label: str) -> dict:
     """``"bk64/st4/c2"`` (parts of `benchmarks.bench.config_label`'s form, any subset) -> the
     `MosaicDecodeConfig` fields it names, ``{"block_k": 64, "num_stages": 4, ...}``."""
-    fields = {"bk": "block_k", "s": "num_splits", "st": "num_stages", "c": "num_consumers"}
-    values = {}
-    for part in label.split("/"):
-        key = part.rstrip("0123456789")
-        if key not in fields or key == part or fields[key] in values:
-            raise ValueError(f"--config {label!r}: expected distinct parts among bk<int>,"
-                             f" s<int>, st<int>, c<int>, got {part!r}")
-        values[fields[key]] = int(part[len(key):])
-    return values
+    return parse_config_label(label, {"bk": "block_k", "s": "num_splits", "st": "num_stages",
+                                      "c": "num_consumers"})
 
 
 def bench_shape(shape: DecodeBenchShape, s: Settings, copy_tbps: float, tune: bool,
-                overrides: tuple = ()) -> list[dict]:
+                overrides: tuple = (), probe: bool = False) -> list[dict]:
     name = shape.name
     copies = 1 if s.interpret else rotation_copies(shape, min_bytes=4 * L2_BYTES, max_copies=4)
     inputs = make_decode_inputs(shape, s.seed, copies=copies)
@@ -115,14 +119,20 @@ def bench_shape(shape: DecodeBenchShape, s: Settings, copy_tbps: float, tune: bo
             continue
         if variant not in (c for _, c in variants):
             variants.append(("mosaic", variant))
+    if probe:  # every Mosaic config above, its producer alone
+        variants += [(PRODUCER_PROBE, c) for impl, c in list(variants) if impl == "mosaic"]
     for impl, config in variants:
         row = {"shape": name, "impl": impl, "config": str(config) if config else "default",
                "class": configs.shape_class(pp_shape(shape))}
         try:
             fn = _call(impl, inputs, config, interpret)
-            row.update(compare(fn(*inputs.args(0)), ref))
-            if not row["correct"]:
+            if impl == PRODUCER_PROBE:
+                row["correct"] = None  # not attention: nothing to compare
+            else:
+                row.update(compare(fn(*inputs.args(0)), ref))
+            if row["correct"] is False:
                 rows.append(row)
+                print(_format_row(row), flush=True)
                 continue
             counter = itertools.count()
             args = [inputs.args(i) for i in range(copies)]  # sliced once, outside the clock
@@ -164,7 +174,7 @@ def pp_shape(shape) -> configs.DecodeShape:
 def _format_row(row: dict) -> str:
     if "error" in row:
         return f"{row['shape']:<18} {row['impl']:<7} {row.get('config', ''):<60} ERROR {row['error'][:300]}"
-    if not row.get("correct", False):
+    if row.get("correct") is False:
         return f"{row['shape']:<18} {row['impl']:<7} {row['config']:<60} WRONG rel_err={row['rel_err']:.3g}"
     return (f"{row['shape']:<18} {row['impl']:<7} {row['config']:<60} {row['us']:9.1f} us"
             f" {row['tbps']:6.2f} TB/s {row['of_copy']:5.2f} of copy")
@@ -177,6 +187,9 @@ def main(argv=None) -> int:
     parser.add_argument("--config", action="append", default=[], type=parse_config,
                         help="also time the heuristic's Mosaic config with these fields"
                         " replaced, e.g. bk64/st4/c2 (repeatable)")
+    parser.add_argument("--probe-producer", action="store_true",
+                        help="also time each Mosaic config's producer alone (consumers that"
+                        " only wait and free; output not attention)")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode")
     args = parser.parse_args(argv)
@@ -193,7 +206,8 @@ def main(argv=None) -> int:
           f" {copy['tbps']:.2f} TB/s (read + written)", flush=True)
     rows = []
     for shape in shapes:
-        rows += bench_shape(shape, s, copy["tbps"], args.configs, tuple(args.config))
+        rows += bench_shape(shape, s, copy["tbps"], args.configs, tuple(args.config),
+                            args.probe_producer)
     print("\nsummary (median time; fraction of copy bandwidth; mosaic speed-up over pallas)")
     for name in names:
         best = {}

@@ -40,6 +40,7 @@ backend (Pallas interpret mode on a CPU): it checks the plumbing, not the speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -52,8 +53,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench import (Settings, _error, _short, _versions, compare, device_info,
-                              measure, measure_copy_bandwidth, smoke_settings)
+                              measure, measure_copy_bandwidth, parse_config_label,
+                              smoke_settings)
 from benchmarks.shapes import random_normal
+from benchmarks.timing import kernel_variant, libdevice_exp_variant
 from pallas_paged import AttentionConfig, decode, paged_attention
 from pallas_paged._platform import device_kind, sm_count
 from pallas_paged.ragged_attention import configs
@@ -254,6 +257,13 @@ def candidate_configs(shape: RaggedBenchShape, default: AttentionConfig) -> list
     return [c for c in dict.fromkeys(out) if c != default]
 
 
+def parse_config(label: str) -> dict:
+    """``"bq16/sq4/w8"`` (parts of `config_label`'s form, without spaces, any subset) -> the
+    `AttentionConfig` fields it names."""
+    return parse_config_label(label, {"bq": "block_q", "sq": "short_block_q", "bk": "block_k",
+                                      "s": "num_splits", "w": "num_warps", "st": "num_stages"})
+
+
 def config_label(c: AttentionConfig) -> str:
     return (f"bq{c.block_q} sq{c.short_block_q} bk{c.block_k} s{c.num_splits} w{c.num_warps}"
             f" st{c.num_stages}")
@@ -284,7 +294,8 @@ def run_variant(name: str, fn, args, check_fn, w: dict, ceilings: dict, s: Setti
     return row
 
 
-def bench_shape(shape: RaggedBenchShape, ceilings: dict, s: Settings, sweep: bool) -> dict:
+def bench_shape(shape: RaggedBenchShape, ceilings: dict, s: Settings, sweep: bool,
+                overrides: tuple = (), libdevice_exp: bool = False) -> dict:
     record = {"name": shape.name, "describe": shape.describe(), **work(shape), "rows": []}
     print(f"[{shape.name}] {shape.describe()}: {record['flops'] / 1e9:.1f} GFLOP,"
           f" {record['bytes'] / 1e6:.1f} MB", flush=True)
@@ -309,12 +320,26 @@ def bench_shape(shape: RaggedBenchShape, ceilings: dict, s: Settings, sweep: boo
     variants = [("pallas", default)]
     if sweep:
         variants += [("pallas_sweep", c) for c in candidate_configs(shape, default)]
+    for fields in overrides:  # the default config with these fields replaced
+        try:
+            variants.append(("pallas_config", dataclasses.replace(default, **fields)))
+        except ValueError as e:  # an invalid combination: a row, not a crash
+            row = {"variant": "pallas_config", "status": "error", "error": str(e),
+                   "label": str(fields), "default": False}
+            record["rows"].append(row)
+            _print_row(row)
+    if libdevice_exp:  # the default config with the softmax's exp as libdevice's expf
+        variants.append(("pallas_libdevice_exp", default))
     for kind, config in variants:
         fn = functools.partial(paged_attention, impl="pallas", config=config,
                                interpret=interpret)
-        row = run_variant(kind, fn, inputs.args(), check_ragged, record, ceilings, s)
-        row.update(label=config_label(config), config=dataclasses.asdict(config),
-                   default=kind == "pallas")
+        context = (kernel_variant(libdevice_exp_variant()) if kind == "pallas_libdevice_exp"
+                   else contextlib.nullcontext())
+        with context:
+            row = run_variant(kind, fn, inputs.args(), check_ragged, record, ceilings, s)
+        row.update(label=config_label(config) + (", libdevice expf" if kind ==
+                                                 "pallas_libdevice_exp" else ""),
+                   config=dataclasses.asdict(config), default=kind == "pallas")
         record["rows"].append(row)
         _print_row(row)
     if shape.is_decode:  # the same inputs through decode: q rows are the batch rows
@@ -360,7 +385,8 @@ def format_table(doc: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for rec in doc["shapes"]:
         rows = [r for r in rec.get("rows", []) if r["variant"] != "decode"]
-        timed = [r for r in rows if "median_us" in r]
+        # the best config: not a variant of the kernel's code (the libdevice-exp row)
+        timed = [r for r in rows if "median_us" in r and r["variant"] != "pallas_libdevice_exp"]
         best = min(timed, key=lambda r: r["median_us"]) if timed else None
         default = next((r for r in rows if r.get("default")), None)
         for tag, r in (("default", default), ("best", best)):
@@ -385,6 +411,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="all", help="comma-separated shape names, or 'all'")
     p.add_argument("--sweep", action="store_true", help="also time alternative configs")
+    p.add_argument("--config", action="append", default=[], type=parse_config,
+                   help="also time the default config with these fields replaced, e.g."
+                   " bq16/sq4/w8 (repeatable)")
+    p.add_argument("--libdevice-exp", action="store_true",
+                   help="also time the default config with jnp.exp (libdevice expf) for the"
+                   " kernels' softmax instead of exp2")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, minimal repetitions")
     p.add_argument("--seed", type=int, default=0)
@@ -413,7 +445,8 @@ def main(argv=None) -> int:
           f" TB/s ({doc['device']['device_kind']})", flush=True)
     doc["shapes"] = []
     for shape in shapes:
-        doc["shapes"].append(bench_shape(shape, doc["ceilings"], s, args.sweep))
+        doc["shapes"].append(bench_shape(shape, doc["ceilings"], s, args.sweep,
+                                         tuple(args.config), args.libdevice_exp))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(doc, f, indent=1, default=str)

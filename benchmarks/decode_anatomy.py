@@ -9,6 +9,8 @@ variants whose label contains one of these substrings, e.g. ``decode``; default 
 - ``decode``: `pallas_paged.decode` with the config it picks (the reference time);
 - ``decode, contiguous pages``: the same with the physical blocks of every sequence in order
   (the page-table gather then reads neighbouring rows): what the random layout costs;
+- ``decode, libdevice expf``: the same kernel with ``jnp.exp`` for its softmax instead of
+  `pallas_triton.softmax_exp` (the hardware exp2): what that buys;
 - ``decode, merge in kernel``: ``DecodeConfig.merge_in_kernel`` (the last split of each row
   merges; one launch) at the default split count, half and twice it;
 - ``kernel only`` / ``merge only``: the Pallas kernel without the split merge, and the merge
@@ -43,7 +45,8 @@ from jax.experimental.pallas import triton as plgpu
 
 import pallas_paged as pp
 from benchmarks.bench import ROTATE_BYTES, Settings, compare, per_call, smoke_settings
-from benchmarks.timing import describe_error, jsonable, measure, measure_copy_bandwidth
+from benchmarks.timing import (describe_error, jsonable, kernel_variant, libdevice_exp_variant,
+                               measure, measure_copy_bandwidth)
 from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
 from pallas_paged._platform import device_kind, sm_count
 from pallas_paged.decode_attention import configs
@@ -197,6 +200,8 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
     timed("decode", decode_fn(default), check=True, config=default)
     timed("decode, contiguous pages", decode_fn(default), tables_of=contiguous, check=True,
           config=default)
+    with kernel_variant(libdevice_exp_variant()):  # the softmax's exp as before softmax_exp
+        timed("decode, libdevice expf", decode_fn(default), check=True, config=default)
     timed("loop overhead (slices only)",
           lambda q, t: q.astype(jnp.float32) + t[:, :1, None].astype(jnp.float32))
     if default.num_splits > 1:

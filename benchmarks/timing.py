@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -220,3 +221,34 @@ def jsonable(x):
     if x is None or isinstance(x, str):
         return x
     return str(x)
+
+
+@contextlib.contextmanager
+def kernel_variant(replacements: dict):
+    """Inside: the kernels trace with other helpers in place, ``{(module, name): function}``
+    (e.g. the Triton kernels' ``softmax_exp``), to time a variant of a kernel against the real
+    one in the same run. Traces made inside are dropped on both sides (`jax.clear_caches`), so
+    that neither version reuses the other's trace."""
+    saved = {(module, name): getattr(module, name) for module, name in replacements}
+    jax.clear_caches()
+    for (module, name), function in replacements.items():
+        setattr(module, name, function)
+    try:
+        yield
+    finally:
+        for (module, name), function in saved.items():
+            setattr(module, name, function)
+        jax.clear_caches()
+
+
+def libdevice_exp_variant() -> dict:
+    """`kernel_variant`'s replacements that give both Triton kernels ``jnp.exp`` (libdevice's
+    ``expf``) for their online softmax instead of `softmax_exp`'s hardware exp2."""
+    from pallas_paged.decode_attention import pallas_triton as decode_triton
+    from pallas_paged.ragged_attention import pallas_triton as ragged_triton
+
+    def libdevice_exp(x, *, interpret):
+        del interpret
+        return jnp.exp(x)
+    return {(decode_triton, "softmax_exp"): libdevice_exp,
+            (ragged_triton, "softmax_exp"): libdevice_exp}

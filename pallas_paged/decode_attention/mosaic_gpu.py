@@ -212,6 +212,7 @@ def _paged_decode_kernel(
     soft_cap: float | None,
     window: int | None,
     compute_dtype,
+    producer_only: bool = False,
 ):
     num_blocks, block_size, _, head_dim = k_ref.shape
     max_blocks = tables_ref.shape[1]
@@ -301,6 +302,9 @@ def _paged_decode_kernel(
         """Consumer ``c``: the online softmax over its tiles (``c, c + C, ...`` of the split),
         then its partial results. The per-consumer refs come without their leading axis."""
         plgpu.barrier_wait(q_bar)
+        if producer_only:
+            consume_nothing(c, k_bars, v_bars, free_bars)
+            return
         if alibi_smem is not None:
             # f32[64], one slope per row of the scores (the layout of their row reductions).
             slopes = plgpu.load(alibi_smem, layout=plgpu.Layout.WGMMA.reduce(1))
@@ -382,6 +386,26 @@ def _paged_decode_kernel(
                  jnp.zeros((MMA_ROWS,), jnp.float32))
         my_tiles = (num_tiles - c + num_consumers - 1) // num_consumers  # >= 0
         acc, m, l = jax.lax.fori_loop(0, my_tiles, tile_body, carry)
+        write_partials(c, acc, m, l, o_smem, ml_smem)
+
+    def consume_nothing(c, k_bars, v_bars, free_bars):
+        """The timing probe's consumer ``c``: waits for each of its tiles and frees its stage at
+        once (no math, and no partial result written: the probe's output is not attention)."""
+        my_tiles = (num_tiles - c + num_consumers - 1) // num_consumers
+
+        @pl.loop(0, my_tiles)
+        def _drain(i):
+            step = c + i * num_consumers
+            slot = jax.lax.rem(step, num_stages)
+            plgpu.barrier_wait(k_bars.at[slot])
+            plgpu.barrier_wait(v_bars.at[slot])
+
+            @pl.when(step + num_stages < num_tiles)
+            def _free():
+                plgpu.barrier_arrive(free_bars.at[slot])
+
+    def write_partials(c, acc, m, l, o_smem, ml_smem):
+        """Consumer ``c``'s unnormalized ``(o, m, l)``, through shared memory to its part."""
         o_smem[...] = acc
         ml_smem[0] = m
         ml_smem[1] = l
@@ -433,10 +457,13 @@ def _copies_per_tile(block_size: int, block_k: int) -> int:
 
 def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                   config: MosaicDecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
-                  sliding_window, sinks, k_scale, v_scale):
+                  sliding_window, sinks, k_scale, v_scale, producer_only: bool = False):
     """The Mosaic GPU kernel over the grid ``(batch, num_kv_heads, num_splits)``, then the merge.
 
     Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float).
+    ``producer_only=True`` is a timing probe for `benchmarks.bench_mosaic`, not attention: the
+    producer streams every tile as usual, the consumers only wait for each tile and free its
+    stage and write nothing, so the output is meaningless.
 
     Returns:
       ``(out [batch, num_heads, head_dim] in q.dtype, lse f32[batch, num_heads])``. ``k_scale`` /
@@ -482,7 +509,7 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
         _paged_decode_kernel, plgpu=plgpu, scale=scale, group=group,
         block_k=config.block_k, num_splits=splits, num_stages=config.num_stages,
         num_consumers=config.num_consumers, soft_cap=logits_soft_cap, window=sliding_window,
-        compute_dtype=compute_dtype)
+        compute_dtype=compute_dtype, producer_only=producer_only)
     optional = {"alibi": alibi, "scores": score_multipliers}  # inputs only some calls have
     present = [name for name, x in optional.items() if x is not None]
 
@@ -496,7 +523,8 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                 jax.ShapeDtypeStruct((batch, kvh, parts, MMA_ROWS), jnp.float32),
                 jax.ShapeDtypeStruct((batch, kvh, parts, MMA_ROWS), jnp.float32))
     name = (f"{KERNEL_NAME}_bk{config.block_k}_s{splits}_st{config.num_stages}"
-            f"_c{config.num_consumers}_g{group}_d{head_dim}_bs{k_cache.shape[1]}")
+            f"_c{config.num_consumers}_g{group}_d{head_dim}_bs{k_cache.shape[1]}"
+            + ("_producer_only" if producer_only else ""))
     o, m, l = plgpu.kernel(
         kernel_body,
         out_type=out_type,

@@ -50,7 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_paged._platform import next_power_of_2
 from pallas_paged.decode_attention.pallas_triton import (_dot_nn, _dot_nt, dot_dtype,
                                                          merge_splits_pallas, query_for_dots,
-                                                         with_sink)
+                                                         softmax_exp, with_sink)
 from pallas_paged.ragged_attention.configs import AttentionConfig, tile_dot_rows
 
 
@@ -175,6 +175,7 @@ def _ragged_attention_kernel(
     compute_dtype,
     soft_cap: float | None,
     window: int | None,
+    interpret: bool,
 ):
     program, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     batch = lens_ref.shape[0]
@@ -251,8 +252,9 @@ def _ragged_attention_kernel(
                 s = jnp.where(sees, s, -jnp.inf)
             m_next = jnp.maximum(m_prev, s.max(axis=1))
             m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # all -inf so far: keep exp finite
-            alpha = jnp.exp(m_prev - m_safe)  # f32[M]
-            p = jnp.exp(s - m_safe[:, None])  # f32[M, Tk], 0 where a row does not see a position
+            alpha = softmax_exp(m_prev - m_safe, interpret=interpret)  # f32[M]
+            # f32[M, Tk], 0 where a row does not see a position
+            p = softmax_exp(s - m_safe[:, None], interpret=interpret)
             v = plgpu.load(v_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=fill)  # [Tk, Dp]
             v = v.astype(compute_dtype)
             if masked:  # a row with weight 0 for a NaN/Inf value row would still get 0 * NaN
@@ -346,7 +348,7 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, quer
         long_programs=config.long_query_tiles(num_tokens, batch), block_k=config.block_k,
         num_splits=splits, group=group, padded_dim=padded_dim,
         compute_dtype=dot_dtype(q.dtype, k_cache.dtype), soft_cap=logits_soft_cap,
-        window=sliding_window)
+        window=sliding_window, interpret=interpret)
     scales = None if k_scale is None else jnp.stack([k_scale, v_scale]).astype(jnp.float32)
     if splits > 1:
         rows = num_tokens * kvh * splits * group

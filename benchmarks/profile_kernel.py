@@ -1,0 +1,65 @@
+"""A few calls of one named shape's kernel, for a profiler to look at (Nsight Compute on a GPU).
+
+    ncu --clock-control none --kernel-name regex:pallas_paged --launch-skip 1 \
+        --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section Occupancy --section SourceCounters \
+        python -m benchmarks.profile_kernel --shape fp8_b32_ctx4096
+
+``--shape`` names a decode shape of `benchmarks.shapes` (runs `pallas_paged.decode`) or a ragged
+one of `benchmarks.bench_ragged.SHAPES` (runs `pallas_paged.paged_attention`), with the config
+the call picks, or ``--impl``. The script runs ``--calls`` calls and prints the names of the
+kernels in the program (the profiler's ``--kernel-name`` filter). Nothing is timed here: read the
+profiler's report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+
+import pallas_paged as pp
+from benchmarks import bench_ragged
+from benchmarks.shapes import make_decode_inputs, shape_by_name
+
+
+def decode_call(name: str, impl: str):
+    """``(jitted fn, args)`` of one decode call on shape ``name``'s inputs."""
+    shape = shape_by_name(name)
+    inputs = make_decode_inputs(shape, seed=0)
+    scales = {} if inputs.k_scale is None else dict(k_scale=inputs.k_scale,
+                                                   v_scale=inputs.v_scale)
+    fn = jax.jit(lambda q, t: pp.decode(q, inputs.k_cache, inputs.v_cache, t,
+                                        inputs.context_lens, impl=impl, **scales))
+    return shape.describe(), fn, (inputs.q[0], inputs.block_tables[0])
+
+
+def ragged_call(name: str, impl: str):
+    """``(jitted fn, args)`` of one ragged call on shape ``name``'s inputs."""
+    shape = next(s for s in bench_ragged.SHAPES if s.name == name)
+    inputs = bench_ragged.make_inputs(shape, seed=0)
+    fn = jax.jit(lambda *args: pp.paged_attention(*args, impl=impl))
+    return shape.describe(), fn, inputs.args()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", required=True,
+                        help="a decode shape of benchmarks.shapes or a ragged one of"
+                        " benchmarks.bench_ragged.SHAPES")
+    parser.add_argument("--impl", default="pallas")
+    parser.add_argument("--calls", type=int, default=3)
+    args = parser.parse_args(argv)
+    ragged = args.shape in {s.name for s in bench_ragged.SHAPES}
+    describe, fn, call_args = (ragged_call if ragged else decode_call)(args.shape, args.impl)
+    print(f"{args.shape}: {describe}, impl={args.impl}")
+    text = fn.lower(*call_args).as_text()
+    print(text.count("pallas_paged"), "mention(s) of pallas_paged kernels in the program")
+    for _ in range(args.calls):
+        jax.block_until_ready(fn(*call_args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
