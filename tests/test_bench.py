@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks import bench, bench_mosaic
+from benchmarks import bench, bench_mosaic, bench_ragged
 from pallas_paged.decode_attention import mosaic_gpu
 from pallas_paged.decode_attention.configs import DecodeConfig
 from benchmarks.shapes import (ALL_SHAPES, BENCH_SHAPES, EXTENSION_SHAPES, SMALL_SHAPES,
@@ -243,8 +243,92 @@ def test_decode_anatomy_smoke_runs_only_the_chosen_variants(tmp_path):
     assert code == 0
     rows = json.loads(path.read_text())["rows"]
     assert [r["variant"] for r in rows] == ["decode", "decode, contiguous pages",
+                                            "decode, libdevice expf",
                                             "empty kernel (launch only)"]
     assert all(r["status"] == "ok" and r["median_us"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("parse,label,expected", [
+    (bench_mosaic.parse_config, "bk64/st4/c2", {"block_k": 64, "num_stages": 4,
+                                                "num_consumers": 2}),
+    (bench_mosaic.parse_config, "s8", {"num_splits": 8}),
+    (bench_ragged.parse_config, "bq16/sq4/w8", {"block_q": 16, "short_block_q": 4,
+                                                "num_warps": 8}),
+    (bench_ragged.parse_config, "st2/bk32", {"num_stages": 2, "block_k": 32}),
+])
+def test_config_labels_parse(parse, label, expected):
+    assert parse(label) == expected
+
+
+@pytest.mark.parametrize("label", ["bk", "x4", "bk64/bk32", "bk64/", "64"])
+def test_config_labels_refuse_unknown_repeated_or_empty_parts(label):
+    for parse in (bench_mosaic.parse_config, bench_ragged.parse_config):
+        with pytest.raises(ValueError, match="expected distinct parts among"):
+            parse(label)
+
+
+def test_kernel_variant_swaps_and_always_restores():
+    """`benchmarks.timing.kernel_variant` puts the replacement in place inside, and the original
+    back afterwards, also when the body raises."""
+    from benchmarks import timing
+    from pallas_paged.decode_attention import pallas_triton
+    from pallas_paged.ragged_attention import pallas_triton as ragged_triton
+    original = pallas_triton.softmax_exp
+    replacements = timing.libdevice_exp_variant()
+    assert set(replacements) == {(pallas_triton, "softmax_exp"),
+                                 (ragged_triton, "softmax_exp")}
+    with pytest.raises(RuntimeError):
+        with timing.kernel_variant(replacements):
+            assert pallas_triton.softmax_exp is not original
+            assert ragged_triton.softmax_exp is pallas_triton.softmax_exp
+            x = jax.numpy.linspace(-3.0, 3.0, 7)
+            np.testing.assert_array_equal(pallas_triton.softmax_exp(x, interpret=False),
+                                          jax.numpy.exp(x))
+            raise RuntimeError("the body failed")
+    assert pallas_triton.softmax_exp is original and ragged_triton.softmax_exp is original
+
+
+def test_softmax_exp_in_interpret_mode_is_jnp_exp():
+    """The kernels' exp without PTX (interpret mode) is exactly ``jnp.exp``, -inf giving 0."""
+    from pallas_paged.decode_attention.pallas_triton import softmax_exp
+    x = jax.numpy.array([-jax.numpy.inf, -80.0, -1.5, 0.0, 2.0], jax.numpy.float32)
+    np.testing.assert_array_equal(softmax_exp(x, interpret=True), jax.numpy.exp(x))
+
+
+def test_decode_anatomy_times_the_libdevice_exp_variant(tmp_path):
+    """The anatomy's A/B row of the softmax's exp runs, is checked and is timed (smoke)."""
+    from benchmarks import decode_anatomy
+
+    path = tmp_path / "anatomy.json"
+    code = decode_anatomy.main(["--smoke", "--shapes", "small_b2_ctx64", "--configs", "none",
+                                "--only", "libdevice", "--json", str(path)])
+    assert code == 0
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["variant"] == "decode, libdevice expf"
+    assert row["status"] == "ok" and row["rel_err"] < bench.REL_TOL and row["median_us"] > 0
+
+
+def test_bench_ragged_times_config_overrides_and_the_exp_variant(tmp_path, capsys):
+    """``--config`` rows are the default config with the named fields replaced (an invalid
+    combination is an error row, not a crash), ``--libdevice-exp`` adds the exp A/B row, and the
+    table's "best" is a config, never the exp variant."""
+    path = tmp_path / "ragged.json"
+    code = bench_ragged.main(["--smoke", "--shapes", "smoke_mixed_2x8c20_6dec30", "--config",
+                              "w8", "--config", "bq3", "--libdevice-exp", "--json", str(path)])
+    assert code == 0
+    (record,) = json.loads(path.read_text())["shapes"]
+    rows = {r["variant"]: r for r in record["rows"]}
+    default = rows["pallas"]
+    configured = [r for r in record["rows"] if r["variant"] == "pallas_config"]
+    by_status = {r["status"]: r for r in configured}
+    assert sorted(by_status) == ["error", "ok"]
+    assert "block_q=3 must be a power of two" in by_status["error"]["error"]
+    assert by_status["ok"]["config"] == {**default["config"], "num_warps": 8}
+    exp_row = rows["pallas_libdevice_exp"]
+    assert exp_row["status"] == "ok" and exp_row["config"] == default["config"]
+    assert exp_row["label"].endswith("libdevice expf")
+    table = bench_ragged.format_table(json.loads(path.read_text()))
+    assert "libdevice" not in table
 
 
 # ----------------------------------------------------------------------------------------------

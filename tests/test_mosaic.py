@@ -644,3 +644,26 @@ def test_bench_mosaic_smoke(tmp_path, monkeypatch):
     for row in rows:
         assert row["correct"], row
         assert row["us"] > 0 and row["of_copy"] > 0, row
+
+
+def test_producer_only_probe_streams_every_tile_and_is_named(rng, sm90):
+    """`decode_mosaic(..., producer_only=True)`, bench_mosaic's timing probe: the producer copies
+    every tile and the consumers only wait and free (no deadlock, in the interpreter's barrier
+    simulation, with two consumers too); its kernel carries its own name, so a profile or a
+    program can never mistake it for the attention kernel."""
+    paged = make_paged(rng, lens=[150, 0, 17], num_heads=8, num_kv_heads=2, head_dim=64,
+                       block_size=16, dtype="bfloat16")
+    q, k, v, tables, lens = paged.jax()
+    for config in (ONE_SPLIT, TWO_CONSUMERS):
+        def probe(*args, interpret, config=config):
+            return mosaic_gpu.decode_mosaic(
+                *args, scale=0.125, config=config, interpret=interpret, logits_soft_cap=None,
+                alibi_slopes=None, sliding_window=None, sinks=None, k_scale=None, v_scale=None,
+                producer_only=True)
+        run = jax.jit(functools.partial(probe, interpret=NO_GPU))
+        out, lse = jax.block_until_ready(run(q, k, v, tables, lens))
+        assert out.shape == q.shape and lse.shape == q.shape[:2]
+        compiled_probe = jax.jit(functools.partial(probe, interpret=False))
+        text = compiled_probe.trace(q, k, v, tables, lens).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert f"{mosaic_gpu.KERNEL_NAME}_" in text and "_producer_only" in text
