@@ -17,13 +17,18 @@ permutations from `benchmarks.shapes`), in one process:
 ``--configs`` also times a few `MosaicDecodeConfig` candidates per shape (splits and stages around
 the heuristic), to fill `configs.MOSAIC_TUNED`; ``--config bk64/st4/c2`` (repeatable; any of
 block_k, splits, stages, consumers, as the rows print them) also times, on every shape, the
-heuristic's config with the named fields replaced. Every variant is isolated: an error is printed in
-its row and the run goes on. ``--smoke`` runs tiny shapes in interpret mode (plumbing only).
+heuristic's config with the named fields replaced. ``--probe-producer`` also times each Mosaic
+config's producer alone (`decode_mosaic`'s ``producer_only`` probe: not attention, never
+compared); ``--compiler-param approx_math=1`` (repeatable) also times the heuristic's config
+compiled with those Mosaic GPU compiler parameters in place of `mosaic_gpu.COMPILER_PARAMS`.
+Every variant is isolated: an error is printed in its row and the run goes on. ``--smoke`` runs
+tiny shapes in interpret mode (plumbing only).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -35,8 +40,9 @@ import numpy as np
 from benchmarks.bench import (Settings, _error, compare, measure, measure_copy_bandwidth,
                               parse_config_label, smoke_settings)
 from benchmarks.shapes import DecodeBenchShape, make_decode_inputs, rotation_copies, shape_by_name
+from benchmarks.timing import kernel_variant
 from pallas_paged._platform import has_gpu, sm_count
-from pallas_paged.decode_attention import configs
+from pallas_paged.decode_attention import configs, mosaic_gpu
 from pallas_paged.decode_attention.api import decode
 from pallas_paged.decode_attention.configs import MosaicDecodeConfig
 from pallas_paged.decode_attention.mosaic_gpu import MAX_SMEM_BYTES, decode_mosaic, smem_bytes
@@ -52,6 +58,9 @@ L2_BYTES = 60e6
 # streaming every tile, consumers that only wait and free (its output is not attention: timed,
 # never compared).
 PRODUCER_PROBE = "mosaic-producer-only"
+# The heuristic's Mosaic config compiled with other Mosaic GPU compiler parameters
+# (``--compiler-param``, `mosaic_gpu.COMPILER_PARAMS` replaced while it traces).
+COMPILER_VARIANT = "mosaic-params"
 
 
 def _call(impl, inputs, config, interpret):
@@ -62,6 +71,7 @@ def _call(impl, inputs, config, interpret):
             interpret=bool(interpret), logits_soft_cap=None, alibi_slopes=None,
             sliding_window=shape.sliding_window, sinks=None, k_scale=inputs.k_scale,
             v_scale=inputs.v_scale, producer_only=True)[0])
+    impl = "mosaic" if impl == COMPILER_VARIANT else impl  # the params come from the module
     fn = jax.jit(lambda q, k, v, t, n: decode(
         q, k, v, t, n, impl=impl, config=config, k_scale=inputs.k_scale, v_scale=inputs.v_scale,
         sliding_window=shape.sliding_window, interpret=interpret))
@@ -91,8 +101,18 @@ def parse_config(label: str) -> dict:
                                       "c": "num_consumers"})
 
 
+def parse_compiler_param(text: str) -> tuple[str, bool | int]:
+    """``"approx_math=1"`` -> ``("approx_math", True)``; integers other than 0 / 1 stay ints."""
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value.lstrip("-").isdigit():
+        raise ValueError(f"--compiler-param {text!r}: expected NAME=INT, e.g. approx_math=1")
+    number = int(value)
+    return name, bool(number) if number in (0, 1) else number
+
+
 def bench_shape(shape: DecodeBenchShape, s: Settings, copy_tbps: float, tune: bool,
-                overrides: tuple = (), probe: bool = False) -> list[dict]:
+                overrides: tuple = (), probe: bool = False,
+                compiler_params: tuple = ()) -> list[dict]:
     name = shape.name
     copies = 1 if s.interpret else rotation_copies(shape, min_bytes=4 * L2_BYTES, max_copies=4)
     inputs = make_decode_inputs(shape, s.seed, copies=copies)
@@ -121,30 +141,39 @@ def bench_shape(shape: DecodeBenchShape, s: Settings, copy_tbps: float, tune: bo
             variants.append(("mosaic", variant))
     if probe:  # every Mosaic config above, its producer alone
         variants += [(PRODUCER_PROBE, c) for impl, c in list(variants) if impl == "mosaic"]
+    params = {**mosaic_gpu.COMPILER_PARAMS, **dict(compiler_params)}
+    if compiler_params:  # the heuristic's config, compiled with these Mosaic GPU parameters
+        variants.append((COMPILER_VARIANT, variants[0][1]))
     for impl, config in variants:
         row = {"shape": name, "impl": impl, "config": str(config) if config else "default",
                "class": configs.shape_class(pp_shape(shape))}
+        if impl == COMPILER_VARIANT:
+            row["compiler_params"] = params
+        context = (kernel_variant({(mosaic_gpu, "COMPILER_PARAMS"): params})
+                   if impl == COMPILER_VARIANT else contextlib.nullcontext())
         try:
-            fn = _call(impl, inputs, config, interpret)
-            if impl == PRODUCER_PROBE:
-                row["correct"] = None  # not attention: nothing to compare
-            else:
-                row.update(compare(fn(*inputs.args(0)), ref))
-            if row["correct"] is False:
-                rows.append(row)
-                print(_format_row(row), flush=True)
-                continue
-            counter = itertools.count()
-            args = [inputs.args(i) for i in range(copies)]  # sliced once, outside the clock
-            timing = measure(lambda: fn(*args[next(counter) % copies]), 1, s)
-            row["us"] = timing.median_us
-            row["tbps"] = nbytes / (timing.median_us * 1e-6) / 1e12
-            row["of_copy"] = row["tbps"] / copy_tbps
+            with context:
+                row.update(_run(impl, inputs, config, interpret, ref, copies, nbytes, copy_tbps, s))
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             row["error"] = _error(e)
         rows.append(row)
         print(_format_row(row), flush=True)
     return rows
+
+
+def _run(impl, inputs, config, interpret, ref, copies, nbytes, copy_tbps, s) -> dict:
+    """Check (except the producer probe) and time one variant: the row's measured fields."""
+    fn = _call(impl, inputs, config, interpret)
+    row = {"correct": None} if impl == PRODUCER_PROBE else compare(fn(*inputs.args(0)), ref)
+    if row["correct"] is False:
+        return row
+    counter = itertools.count()
+    args = [inputs.args(i) for i in range(copies)]  # sliced once, outside the clock
+    timing = measure(lambda: fn(*args[next(counter) % copies]), 1, s)
+    row["us"] = timing.median_us
+    row["tbps"] = nbytes / (timing.median_us * 1e-6) / 1e12
+    row["of_copy"] = row["tbps"] / copy_tbps
+    return row
 
 
 def tuned_snippet(rows: list[dict]) -> str:
@@ -190,6 +219,10 @@ def main(argv=None) -> int:
     parser.add_argument("--probe-producer", action="store_true",
                         help="also time each Mosaic config's producer alone (consumers that"
                         " only wait and free; output not attention)")
+    parser.add_argument("--compiler-param", action="append", default=[],
+                        type=parse_compiler_param,
+                        help="also time the heuristic's config compiled with this Mosaic GPU"
+                        " compiler parameter, e.g. approx_math=1 (repeatable: all at once)")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode")
     args = parser.parse_args(argv)
@@ -207,7 +240,7 @@ def main(argv=None) -> int:
     rows = []
     for shape in shapes:
         rows += bench_shape(shape, s, copy["tbps"], args.configs, tuple(args.config),
-                            args.probe_producer)
+                            args.probe_producer, tuple(args.compiler_param))
     print("\nsummary (median time; fraction of copy bandwidth; mosaic speed-up over pallas)")
     for name in names:
         best = {}

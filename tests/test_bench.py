@@ -267,6 +267,20 @@ def test_config_labels_refuse_unknown_repeated_or_empty_parts(label):
             parse(label)
 
 
+@pytest.mark.parametrize("text,expected", [("approx_math=1", ("approx_math", True)),
+                                           ("approx_math=0", ("approx_math", False)),
+                                           ("reduction_scratch_bytes=4096",
+                                            ("reduction_scratch_bytes", 4096))])
+def test_mosaic_compiler_params_parse(text, expected):
+    assert bench_mosaic.parse_compiler_param(text) == expected
+
+
+@pytest.mark.parametrize("text", ["approx_math", "approx_math=yes", "=1", "approx_math="])
+def test_mosaic_compiler_params_refuse_what_is_not_name_equals_int(text):
+    with pytest.raises(ValueError, match="expected NAME=INT"):
+        bench_mosaic.parse_compiler_param(text)
+
+
 def test_kernel_variant_swaps_and_always_restores():
     """`benchmarks.timing.kernel_variant` puts the replacement in place inside, and the original
     back afterwards, also when the body raises."""

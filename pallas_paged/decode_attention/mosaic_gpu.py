@@ -79,6 +79,9 @@ MAX_SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on sm_90
 # Shared memory Mosaic GPU's kernel takes beyond the scratch below (measured on the H200, jax
 # 0.11.2: a CTA of 230504 scratch bytes was 232552 bytes).
 MOSAIC_OWN_SMEM_BYTES = 2048
+# Mosaic GPU's compiler parameters for the kernel: exact math (exp, division), as the parity
+# bounds were met with; `benchmarks.bench_mosaic --compiler-param` times others beside these.
+COMPILER_PARAMS = {"approx_math": False}
 
 
 def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeConfig,
@@ -533,7 +536,7 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
         num_threads=1 + config.num_consumers,
         thread_name="wg",
         kernel_name=name,
-        compiler_params=plgpu.CompilerParams(approx_math=False),
+        compiler_params=plgpu.CompilerParams(**COMPILER_PARAMS),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*operands)
     if v_scale is not None:  # P V is linear in V: dequantize the partial sums
