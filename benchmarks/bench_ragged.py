@@ -30,7 +30,12 @@ Method:
   (``context_len = p + 1``): a float32 computation on another code path. A relative L2 error above
   `benchmarks.bench.REL_TOL` marks the variant WRONG, and the run exits with status 1.
 - ``--sweep`` also times a few alternative `AttentionConfig`s per shape (the best correct one is
-  reported: candidates for the tuned table in ``pallas_paged/ragged_attention/configs.py``).
+  reported: candidates for the tuned table in ``pallas_paged/ragged_attention/configs.py``);
+  ``--config bq16/sq4/w8`` (repeatable) also times the default config with the named fields
+  replaced.
+- ``--libdevice-exp`` also times the default config with the kernels' softmax exp as
+  ``jnp.exp`` (libdevice's ``expf``) instead of `softmax_exp`'s hardware exp2, in the same run
+  (`benchmarks.timing.kernel_variant`): an A/B of that one choice.
 
 Every variant is isolated: a compile or run error is recorded and printed, and the run goes on
 (exit status 2 if a default variant failed). ``--smoke`` runs tiny versions of the shapes on any
@@ -416,7 +421,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    " bq16/sq4/w8 (repeatable)")
     p.add_argument("--libdevice-exp", action="store_true",
                    help="also time the default config with jnp.exp (libdevice expf) for the"
-                   " kernels' softmax instead of exp2")
+                   " kernels' softmax instead of the hardware exp2 (softmax_exp)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, minimal repetitions")
     p.add_argument("--seed", type=int, default=0)
