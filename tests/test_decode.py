@@ -312,6 +312,27 @@ def test_pallas_impl_lowers_to_the_triton_kernel():
     assert "pallas_paged_decode" in text
 
 
+def test_compiled_triton_kernels_take_the_hardware_exp2():
+    """Compiled, the online softmax of both Triton kernels (decode and ragged attention) is PTX's
+    ``ex2.approx.ftz.f32`` (`pallas_triton.softmax_exp`); in interpret mode it is ``jnp.exp``,
+    with no PTX in the program."""
+    asm = "ex2.approx.ftz.f32"
+    assert asm in _lowered_text("cuda", "pallas")
+    q = jax.ShapeDtypeStruct((5, 8, 64), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((40, 16, 2, 64), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+    qsl = jax.ShapeDtypeStruct((3,), jnp.int32)
+    gpu = AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
+    for interpret, platform in ((False, "cuda"), (True, "cpu")):
+        fn = functools.partial(pp.paged_attention, impl="pallas", interpret=interpret)
+        with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=gpu)):
+            traced = jax.jit(fn).trace(q, cache, cache, tables, lens, qsl)
+            text = traced.lower(lowering_platforms=(platform,)).as_text()
+        assert (asm in text) == (not interpret), (interpret, platform)
+        assert "pallas_paged_ragged" in text or interpret
+
+
 def test_xla_impl_has_no_kernel():
     text = _lowered_text("cuda", "xla")
     assert "xla.gpu.triton" not in text and "pallas_paged_decode" not in text
