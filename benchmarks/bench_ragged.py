@@ -338,12 +338,10 @@ def bench_shape(shape: RaggedBenchShape, ceilings: dict, s: Settings, sweep: boo
     for kind, config in variants:
         fn = functools.partial(paged_attention, impl="pallas", config=config,
                                interpret=interpret)
-        context = (kernel_variant(libdevice_exp_variant()) if kind == "pallas_libdevice_exp"
-                   else contextlib.nullcontext())
-        with context:
+        exp_ab = kind == "pallas_libdevice_exp"
+        with kernel_variant(libdevice_exp_variant()) if exp_ab else contextlib.nullcontext():
             row = run_variant(kind, fn, inputs.args(), check_ragged, record, ceilings, s)
-        row.update(label=config_label(config) + (", libdevice expf" if kind ==
-                                                 "pallas_libdevice_exp" else ""),
+        row.update(label=config_label(config) + (", libdevice expf" if exp_ab else ""),
                    config=dataclasses.asdict(config), default=kind == "pallas")
         record["rows"].append(row)
         _print_row(row)

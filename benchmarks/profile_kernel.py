@@ -25,7 +25,7 @@ from benchmarks.shapes import make_decode_inputs, shape_by_name
 
 
 def decode_call(name: str, impl: str):
-    """``(jitted fn, args)`` of one decode call on shape ``name``'s inputs."""
+    """``(description, jitted fn, args)`` of one decode call on shape ``name``'s inputs."""
     shape = shape_by_name(name)
     inputs = make_decode_inputs(shape, seed=0)
     scales = {} if inputs.k_scale is None else dict(k_scale=inputs.k_scale,
@@ -35,9 +35,12 @@ def decode_call(name: str, impl: str):
     return shape.describe(), fn, (inputs.q[0], inputs.block_tables[0])
 
 
+RAGGED_SHAPES = {shape.name: shape for shape in bench_ragged.SHAPES}
+
+
 def ragged_call(name: str, impl: str):
-    """``(jitted fn, args)`` of one ragged call on shape ``name``'s inputs."""
-    shape = next(s for s in bench_ragged.SHAPES if s.name == name)
+    """``(description, jitted fn, args)`` of one ragged call on shape ``name``'s inputs."""
+    shape = RAGGED_SHAPES[name]
     inputs = bench_ragged.make_inputs(shape, seed=0)
     fn = jax.jit(lambda *args: pp.paged_attention(*args, impl=impl))
     return shape.describe(), fn, inputs.args()
@@ -51,8 +54,8 @@ def main(argv=None) -> int:
     parser.add_argument("--impl", default="pallas")
     parser.add_argument("--calls", type=int, default=3)
     args = parser.parse_args(argv)
-    ragged = args.shape in {s.name for s in bench_ragged.SHAPES}
-    describe, fn, call_args = (ragged_call if ragged else decode_call)(args.shape, args.impl)
+    call = ragged_call if args.shape in RAGGED_SHAPES else decode_call
+    describe, fn, call_args = call(args.shape, args.impl)
     print(f"{args.shape}: {describe}, impl={args.impl}")
     text = fn.lower(*call_args).as_text()
     print(text.count("pallas_paged"), "mention(s) of pallas_paged kernels in the program")
