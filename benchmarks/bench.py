@@ -288,7 +288,8 @@ def _decode_fn(impl, *, config=None, k_scale=None, v_scale=None, window=None, in
 def config_label(c: DecodeConfig | MosaicDecodeConfig) -> str:
     if isinstance(c, MosaicDecodeConfig):
         return f"bk{c.block_k}/s{c.num_splits}/st{c.num_stages}/c{c.num_consumers}"
-    return f"bk{c.block_k}/s{c.num_splits}/w{c.num_warps}/st{c.num_stages}"
+    return (f"bk{c.block_k}/s{c.num_splits}/w{c.num_warps}/st{c.num_stages}"
+            + ("/vl" if c.fp8_v_at_load else ""))
 
 
 def abstract_args(shape: DecodeBenchShape) -> tuple:
@@ -396,9 +397,14 @@ def tune_stage1(shape: DecodeBenchShape, base: DecodeConfig, heuristic: DecodeCo
 
 
 def tune_stage2(shape: DecodeBenchShape, best: DecodeConfig) -> list:
-    """num_warps x num_stages at the best (block_k, num_splits)."""
-    return [dataclasses.replace(best, num_warps=w, num_stages=st) for w in (4, 8)
-            for st in (1, 2, 3, 4) if _tile_bytes(best.block_k, shape, st) <= SMEM_BYTES]
+    """num_warps x num_stages at the best (block_k, num_splits); for fp8 caches 2 warps too,
+    each with and without `DecodeConfig.fp8_v_at_load` (small tiles of few warps were the
+    fastest with it on the H200)."""
+    fp8 = shape.cache_itemsize == 1
+    return [dataclasses.replace(best, num_warps=w, num_stages=st, fp8_v_at_load=at_load)
+            for w in ((2, 4, 8) if fp8 else (4, 8)) for st in (1, 2, 3, 4)
+            for at_load in ((False, True) if fp8 else (best.fp8_v_at_load,))
+            if _tile_bytes(best.block_k, shape, st) <= SMEM_BYTES]
 
 
 def tune_stage3(ranked: list, best: DecodeConfig) -> list:
@@ -1082,7 +1088,8 @@ def tuned_snippet(doc: dict) -> str:
                    f" default ({gain:.2f}x)")
         entry = (f"    {key!r}: DecodeConfig(block_k={best.block_k}, num_splits={best.num_splits},"
                  f" num_warps={best.num_warps}, num_stages={best.num_stages}"
-                 + (", merge_in_kernel=True" if best.merge_in_kernel else "") + f"),  # {comment}")
+                 + (", merge_in_kernel=True" if best.merge_in_kernel else "")
+                 + (", fp8_v_at_load=True" if best.fp8_v_at_load else "") + f"),  # {comment}")
         prefix = None
         if rec["shape"].get("sliding_window") is not None:
             prefix = "windowed shape: its class also covers full attention"

@@ -3,7 +3,8 @@ stripped-down kernels that read the same bytes, each as a fraction of the same r
 
 Run ``python -m benchmarks.decode_anatomy [--shapes a,b] [--configs a] [--only x,y] [--json PATH]
 [--smoke]`` (``--configs``: only these shapes get the config variants; ``--only``: only the
-variants whose label contains one of these substrings, e.g. ``decode``; default shapes:
+variants whose label contains one of these substrings, e.g. ``decode``, or equals one written
+``=label``, e.g. ``=decode``; default shapes:
 ``b1_ctx32768``, ``fp8_b32_ctx4096``, ``b32_ctx4096`` from `benchmarks.shapes`). For each shape:
 
 - ``decode``: `pallas_paged.decode` with the config it picks (the reference time);
@@ -11,6 +12,8 @@ variants whose label contains one of these substrings, e.g. ``decode``; default 
   (the page-table gather then reads neighbouring rows): what the random layout costs;
 - ``decode, libdevice expf``: the same kernel with ``jnp.exp`` for its softmax instead of
   `pallas_triton.softmax_exp` (the hardware exp2): what that buys;
+- ``decode, fp8 V converted ...`` (fp8 caches): the default config with
+  ``DecodeConfig.fp8_v_at_load`` the other way: where the V tile's conversion belongs;
 - ``decode, merge in kernel``: ``DecodeConfig.merge_in_kernel`` (the last split of each row
   merges; one launch) at the default split count, half and twice it;
 - ``kernel only`` / ``merge only``: the Pallas kernel without the split merge, and the merge
@@ -20,6 +23,9 @@ variants whose label contains one of these substrings, e.g. ``decode``; default 
 - ``loop overhead``: the calls of a trivial body (one small fusion) launched the same way;
 - ``empty kernel``: a kernel on the same grid that only stores one value per program: launch and
   scheduling cost;
+- ``read only``: a kernel on the same grid that gathers the same K/V tiles through the table and
+  only adds them up as 32-bit words: what decode's access pattern can stream without its math
+  (the default's config, and with the config variants a few more tiles and splits);
 - config variants around the default (splits, tile, warps, stages).
 
 Every decode variant is checked against ``impl="xla"`` before it is timed (`benchmarks.bench.compare`;
@@ -52,7 +58,7 @@ from pallas_paged._platform import device_kind, sm_count
 from pallas_paged.decode_attention import configs
 from pallas_paged.decode_attention.api import decode_shape
 from pallas_paged.decode_attention.pallas_triton import (_merge_splits, decode_kernel_call,
-                                                         merge_splits_pallas)
+                                                         merge_splits_pallas, tile_range)
 
 SHAPES = ("b1_ctx32768", "fp8_b32_ctx4096", "b32_ctx4096")
 SMOKE_SHAPES = ("small_b2_ctx64", "small_fp8_b2_ctx64")
@@ -61,14 +67,21 @@ SMOKE_SHAPES = ("small_b2_ctx64", "small_fp8_b2_ctx64")
 def config_variants(default: pp.DecodeConfig, fp8: bool) -> list:
     """Configs around ``default``: split counts and tiles, then warps and stages.
 
-    For fp8 caches, the most telling first (a run may stop early): at B=32 the grid of one split
-    is 256 programs, two per multiprocessor whatever their registers, so smaller tiles can only
-    raise occupancy with more splits; 64-token tiles x 2-4 splits x 2-4 stages, then 128-token
-    tiles with 2 splits, 8 warps or more stages, then 32-token tiles. (``Nsight Compute``: the
-    128-token fp8 tile at 255 registers per thread; measured on the H200, 64-token tiles with one
-    split were slower, 0.43-0.48 of copy against 0.55.)"""
+    For fp8 caches, the most telling first (a run may stop early): the tuned entry before
+    (128-token tiles, one split, 4 warps), then small tiles of 1-2 warps with
+    ``fp8_v_at_load`` (the fastest kind on the H200, 2026-12-01: Nsight Compute put a fifth of
+    the 128-token kernel's stall samples on the barrier where its warps wait for a tile's data,
+    and its instruction count was not what held it: converting V at load cut it by 29% for no
+    gain there), then 64-, 128- and 32-token tiles of 4 or 8 warps with more splits and
+    stages.
+    """
     out = []
-    if fp8:
+    if fp8:  # the entry before (bk128 s1), then fewer warps with the V tile converted at load
+        out += [pp.DecodeConfig(block_k=128, num_splits=1)]
+        out += [pp.DecodeConfig(block_k=block_k, num_splits=splits, num_warps=warps,
+                                num_stages=stages, fp8_v_at_load=True)
+                for block_k, splits, warps, stages in ((64, 4, 2, 2), (32, 4, 2, 2),
+                                                       (32, 8, 1, 2), (64, 2, 2, 3))]
         out += [pp.DecodeConfig(block_k=64, num_splits=splits, num_stages=stages)
                 for splits in (2, 4) for stages in (3, 2, 4)]
         out += [pp.DecodeConfig(block_k=128, num_splits=2, num_stages=stages) for stages in (2, 3)]
@@ -86,6 +99,16 @@ def config_variants(default: pp.DecodeConfig, fp8: bool) -> list:
         out += [dataclasses.replace(default, num_warps=8),
                 dataclasses.replace(default, num_stages=3)]
     return [c for c in dict.fromkeys(out) if c != default]
+
+
+def read_only_configs(default: pp.DecodeConfig, with_configs: bool) -> list:
+    """The read-only probe's configs: the default's grid and tile, and with the config variants
+    also 64-token tiles with 2 and 4 splits and 128-token tiles with 2."""
+    out = [default]
+    if with_configs:
+        out += [pp.DecodeConfig(block_k=64, num_splits=2), pp.DecodeConfig(block_k=64, num_splits=4),
+                pp.DecodeConfig(block_k=128, num_splits=2)]
+    return list(dict.fromkeys(out))
 
 
 def _empty_kernel(lens_ref,  # i32[batch]
@@ -109,6 +132,69 @@ def empty_call(q, k_cache, block_tables, context_lens, *, config: pp.DecodeConfi
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret, name="anatomy_empty",
     )(context_lens, q)
+
+
+def _read_only_kernel(lens_ref,    # i32[batch]
+                      tables_ref,  # i32[batch, max_blocks]
+                      q_ref,       # [batch, num_heads, head_dim], not read
+                      k_ref,       # u32[num_blocks * block_size, kvh, words]: the cache's rows as words
+                      v_ref,       # u32[num_blocks * block_size, kvh, words]
+                      out_ref,     # u32[batch, kvh, splits]
+                      *, block_size: int, block_k: int, num_splits: int):
+    """Decode's reads alone: the same tiles of each (sequence, kv head, split), gathered through
+    the table with the same masks, summed as 32-bit words (one integer add per word, no
+    conversion, no dot): what the kernel's access pattern can stream."""
+    del q_ref  # an operand only, so that calls on different queries stay different calls
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    words = k_ref.shape[2]
+    num_blocks = k_ref.shape[0] // block_size
+    n = jnp.clip(lens_ref[b], 0, tables_ref.shape[1] * block_size)
+    first, tile_lo, tile_hi = tile_range(n, split, block_k=block_k, num_splits=num_splits,
+                                         window=None)
+    cols = jnp.arange(words)  # [W]
+
+    def tile_body(tile, acc):  # acc: u32[Tk, W]
+        pos = tile * block_k + jnp.arange(block_k)  # i32[Tk]
+        valid = (pos >= first) & (pos < n)
+        page = jnp.where(valid, pos // block_size, 0)
+        block = jnp.clip(plgpu.load(tables_ref.at[b, page], mask=valid, other=0), 0,
+                         num_blocks - 1)  # i32[Tk]
+        slot = block * block_size + pos % block_size  # i32[Tk]
+        k = plgpu.load(k_ref.at[slot[:, None], h, cols[None, :]], mask=valid[:, None],
+                       other=0)  # u32[Tk, W]
+        v = plgpu.load(v_ref.at[slot[:, None], h, cols[None, :]], mask=valid[:, None],
+                       other=0)  # u32[Tk, W]
+        return acc + k + v
+
+    acc = jax.lax.fori_loop(tile_lo, tile_hi, tile_body,
+                            jnp.zeros((block_k, words), jnp.uint32))
+    out_ref[b, h, split] = jnp.sum(jnp.sum(acc, axis=1), axis=0)
+
+
+def as_words(cache):
+    """``[num_blocks, block_size, kvh, head_dim]`` -> ``u32[num_blocks * block_size, kvh,
+    words]``: the same bytes, each row as 32-bit words."""
+    num_blocks, block_size, kvh, head_dim = cache.shape
+    per_word = 4 // cache.dtype.itemsize
+    rows = cache.reshape(num_blocks * block_size, kvh, head_dim // per_word, per_word)
+    return jax.lax.bitcast_convert_type(rows, jnp.uint32)
+
+
+def read_only_call(q, k_words, v_words, block_tables, context_lens, *, block_size: int,
+                   config: pp.DecodeConfig, interpret: bool):
+    """`_read_only_kernel` on decode's grid ``(batch, kvh, splits)`` for ``config``, over the
+    caches as `as_words` gives them."""
+    kvh = k_words.shape[1]
+    batch = block_tables.shape[0]
+    kernel = functools.partial(_read_only_kernel, block_size=block_size, block_k=config.block_k,
+                               num_splits=config.num_splits)
+    return pl.pallas_call(
+        kernel, grid=(batch, kvh, config.num_splits),
+        out_shape=jax.ShapeDtypeStruct((batch, kvh, config.num_splits), jnp.uint32),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret, name="anatomy_read_only",
+    )(context_lens, block_tables, q, k_words, v_words)
 
 
 def contiguous_tables(tables: np.ndarray, block_size: int, lens: np.ndarray) -> np.ndarray:
@@ -159,7 +245,8 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
         straight-line calls in one jitted program (``firsts[i]`` is call ``i``'s own array, so
         XLA cannot merge calls); the first call's output is checked against the reference when
         ``check``."""
-        if only and not any(part in label for part in only):
+        if only and not any(label == part[1:] if part.startswith("=") else part in label
+                            for part in only):
             return
         row = {"shape": name, "variant": label, "config": None if config is None else
                dataclasses.asdict(config)}
@@ -202,6 +289,11 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
           config=default)
     with kernel_variant(libdevice_exp_variant()):  # the softmax's exp as before softmax_exp
         timed("decode, libdevice expf", decode_fn(default), check=True, config=default)
+    if shape.is_fp8:
+        flipped = dataclasses.replace(default, fp8_v_at_load=not default.fp8_v_at_load)
+        timed("decode, fp8 V converted " + ("at load" if flipped.fp8_v_at_load
+                                           else "in the operand read"),
+              decode_fn(flipped), check=True, config=flipped)
     timed("loop overhead (slices only)",
           lambda q, t: q.astype(jnp.float32) + t[:, :1, None].astype(jnp.float32))
     if default.num_splits > 1:
@@ -227,9 +319,19 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
               firsts=per_call(o[None], 1, reps), tables_of=[(m, l)] * reps)
     timed("empty kernel (launch only)",
           lambda q, t: empty_call(q, kc, t, lens, config=default, interpret=interpret))
+    if not only or any(part in "read only" or "read only" in part for part in only):
+        k_words, v_words = jax.block_until_ready((as_words(kc), as_words(vc)))
+        for config in read_only_configs(default, with_configs):
+            timed(f"read only bk{config.block_k} s{config.num_splits} w{config.num_warps}"
+                  f" st{config.num_stages}",
+                  lambda q, t, c=config: read_only_call(q, k_words, v_words, t, lens,
+                                                        block_size=shape.block_size, config=c,
+                                                        interpret=interpret))
+        del k_words, v_words
     for config in config_variants(default, shape.is_fp8) if with_configs else ():
         label = (f"decode bk{config.block_k} s{config.num_splits} w{config.num_warps}"
-                 f" st{config.num_stages}" + (" merged" if config.merge_in_kernel else ""))
+                 f" st{config.num_stages}" + (" merged" if config.merge_in_kernel else "")
+                 + (" vl" if config.fp8_v_at_load else ""))
         timed(label, decode_fn(config), check=True, config=config)
     return rows
 
@@ -240,7 +342,8 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default=None,
                         help="comma-separated shapes that also get config variants (default: all)")
     parser.add_argument("--only", default=None,
-                        help="comma-separated substrings: only the variants whose label has one")
+                        help="comma-separated substrings: only the variants whose label has one"
+                             " (=LABEL: exactly that label)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes in interpret mode (the plumbing, not the speed)")

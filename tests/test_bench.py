@@ -198,7 +198,10 @@ def test_tune_candidates_are_bounded(shape):
     stage1 = bench.tune_stage1(shape, default, default)
     stage2 = bench.tune_stage2(shape, stage1[0])
     stage3 = bench.tune_stage3(stage1, stage2[0])
-    assert len(stage1) <= 12 and len(stage2) <= 8 and len(stage3) <= 3
+    assert len(stage1) <= 12 and len(stage2) <= (24 if shape.cache_itemsize == 1 else 8)
+    assert len(stage3) <= 3
+    assert len(set(stage2)) == len(stage2)
+    assert any(c.fp8_v_at_load for c in stage2) == (shape.cache_itemsize == 1)
     assert {c.block_k for c in stage1} <= {16, 32, 64, 128}
     assert len(set(stage1)) == len(stage1)
 
@@ -221,11 +224,12 @@ def test_tuned_snippet_is_python():
                                                num_stages=3)}
 
 
-def test_tuned_snippet_keeps_merge_in_kernel():
-    best = dict(block_k=64, num_splits=64, num_warps=4, num_stages=2, merge_in_kernel=True)
+@pytest.mark.parametrize("flags", [dict(merge_in_kernel=True), dict(fp8_v_at_load=True)])
+def test_tuned_snippet_keeps_the_boolean_fields(flags):
+    best = dict(block_k=64, num_splits=64, num_warps=4, num_stages=2, **flags)
     rec = {"name": "b1_ctx32768", "shape": {"sliding_window": None},
            "shape_class": ["bfloat16", 128, 4, 16, 1, 32768],
-           "tune": {"best": best, "default": dict(best, merge_in_kernel=False),
+           "tune": {"best": best, "default": dict(best, **dict.fromkeys(flags, False)),
                     "best_us": 40.0, "default_us": 42.0}}
     doc = {"meta": {"device": {"device_kind": "NVIDIA H200", "sm_count": 132},
                     "date": "2026-01-01T00:00:00"}, "shapes": [rec]}
@@ -320,6 +324,55 @@ def test_decode_anatomy_times_the_libdevice_exp_variant(tmp_path):
     (row,) = json.loads(path.read_text())["rows"]
     assert row["variant"] == "decode, libdevice expf"
     assert row["status"] == "ok" and row["rel_err"] < bench.REL_TOL and row["median_us"] > 0
+
+
+def test_decode_anatomy_times_the_fp8_value_conversion_both_ways(tmp_path):
+    """On an fp8 cache the anatomy's A/B row of `DecodeConfig.fp8_v_at_load` (the default
+    config with the field the other way) runs, is checked and is timed (smoke); a 16-bit cache
+    has no such row. The read-only probe runs on both."""
+    from benchmarks import decode_anatomy
+
+    path = tmp_path / "anatomy.json"
+    code = decode_anatomy.main(["--smoke", "--shapes", "small_fp8_b2_ctx64,small_b2_ctx64",
+                                "--configs", "none", "--only", "fp8 V,read only",
+                                "--json", str(path)])
+    assert code == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["shape"], r["variant"]) for r in rows] == [
+        ("small_fp8_b2_ctx64", "decode, fp8 V converted at load"),
+        ("small_fp8_b2_ctx64", "read only bk64 s1 w4 st2"),
+        ("small_b2_ctx64", "read only bk64 s1 w4 st2")]
+    assert rows[0]["config"]["fp8_v_at_load"] is True
+    assert rows[0]["rel_err"] < bench.REL_TOL
+    assert all(r["status"] == "ok" and r["median_us"] > 0 for r in rows)
+
+
+def test_read_only_probe_reads_exactly_the_decode_tiles(rng):
+    """`decode_anatomy.read_only_call` sums, per (sequence, kv head, split), the 32-bit words of
+    exactly the K and V rows that sequence's first ``n`` positions map to through its table:
+    a probe that read other rows (or fewer) would stream other bytes than decode does."""
+    from benchmarks import decode_anatomy
+    from paged_inputs import make_paged
+
+    paged = make_paged(rng, lens=[37, 0, 16], num_heads=4, num_kv_heads=2, block_size=8,
+                       head_dim=32, dtype="bfloat16")
+    q, kc, vc, tables, lens = paged.jax()
+    config = DecodeConfig(block_k=16, num_splits=2)
+    got = np.asarray(decode_anatomy.read_only_call(
+        q, decode_anatomy.as_words(kc), decode_anatomy.as_words(vc), tables, lens,
+        block_size=8, config=config, interpret=True))
+    k_words = np.asarray(decode_anatomy.as_words(kc)).astype(np.uint64)
+    v_words = np.asarray(decode_anatomy.as_words(vc)).astype(np.uint64)
+    tables_np, lens_np = np.asarray(tables), np.asarray(lens)
+    for b, n in enumerate(lens_np):
+        tiles = -(-int(n) // 16)
+        per_split = -(-tiles // 2)
+        for split in range(2):
+            positions = np.arange(split * per_split * 16, min((split + 1) * per_split * 16, n))
+            slots = tables_np[b, positions // 8] * 8 + positions % 8
+            for h in range(2):
+                want = (k_words[slots, h].sum() + v_words[slots, h].sum()) % 2**32
+                assert got[b, h, split] == want, (b, h, split)
 
 
 def test_bench_ragged_times_config_overrides_and_the_exp_variant(tmp_path, capsys):

@@ -113,6 +113,48 @@ def test_fp8_cache_with_every_option(rng, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("at_load", [False, True], ids=["v_in_operand_read", "v_at_load"])
+def test_fp8_cache_with_padded_head_dim(rng, impl, at_load):
+    """head_dim 40: the kernel's tiles pad it to 64 columns, which `value_tile_for_dot`
+    multiplies by 0 with ``fp8_v_at_load`` (the masked load has zeroed them)."""
+    paged = make_paged(rng, lens=[19, 4], num_heads=4, num_kv_heads=2, block_size=4,
+                       dtype="float8_e4m3fn", head_dim=40)
+    config = pp.DecodeConfig(block_k=16, num_splits=2, num_warps=2, fp8_v_at_load=at_load)
+    assert_matches_torch(paged, impl, "float8_e4m3fn", k_scale=0.5, v_scale=1.5,
+                         return_lse=True, config=config if impl == "pallas" else None)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp8_v_at_load_with_every_option(rng, impl):
+    paged = make_paged(rng, lens=[21, 3, 0], num_heads=4, num_kv_heads=2, block_size=4,
+                       dtype="float8_e4m3fn")
+    config = pp.DecodeConfig(block_k=16, num_splits=3, fp8_v_at_load=True)
+    assert_matches_torch(paged, impl, "float8_e4m3fn", k_scale=0.25, v_scale=0.75,
+                         return_lse=True, config=config if impl == "pallas" else None,
+                         **options(rng, 4, "all"))
+
+
+def test_value_tile_for_dot_keeps_every_fp8_value():
+    """Every e4m3 value (NaN, the largest, the subnormals, both zeros) converts to the fp16
+    that a bare ``astype`` gives on the head's columns, and the padding columns give 0; without
+    ``at_load``, and for 16-bit tiles, it is a bare ``astype``."""
+    from pallas_paged.decode_attention.pallas_triton import value_tile_for_dot
+    every = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).reshape(16, 16)
+    tile = jnp.asarray(np.concatenate([every, np.zeros((16, 16), every.dtype)], axis=1))
+    col_ok = jnp.arange(32) < 16
+    want = np.asarray(tile.astype(jnp.float16))
+    got = np.asarray(value_tile_for_dot(tile, jnp.float16, col_ok, at_load=True))
+    np.testing.assert_array_equal(got[:, :16], want[:, :16])  # NaN positions equal too
+    assert (got[:, 16:] == 0).all()
+    np.testing.assert_array_equal(
+        np.asarray(value_tile_for_dot(tile, jnp.float16, col_ok, at_load=False)), want)
+    bf16 = jnp.asarray(np.linspace(-3, 3, 64, dtype=np.float32).reshape(4, 16), jnp.bfloat16)
+    np.testing.assert_array_equal(
+        np.asarray(value_tile_for_dot(bf16, jnp.float32, jnp.arange(16) < 8, at_load=True)),
+        np.asarray(bf16.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_return_lse_shape_and_values(rng, impl):
     paged = make_paged(rng, lens=[9, 0, 4], num_heads=4, num_kv_heads=2, block_size=4)
     out, lse = pp.decode(*paged.jax(), impl=impl, return_lse=True)

@@ -37,6 +37,13 @@ class DecodeConfig:
         merges its splits' partial results (it learns it is last from an atomic count of
         arrivals), so decode is one kernel launch instead of two (the kernel, then the merge
         kernel). No effect with one split.
+      fp8_v_at_load: with an fp8 cache, each V tile is converted to fp16 where it is loaded and
+        reaches the ``p @ v`` dot through a transposed ``ldmatrix``; otherwise Triton converts it
+        inside the dot operand's read from shared memory, one byte per instruction (8-bit
+        elements have no transposed ``ldmatrix``). Fewer instructions and registers, but it
+        pays where the tiles are small: on an H200, 32-token tiles with 2 warps ran 1.34x faster
+        with it, 128-token tiles with 4 warps 0.97-1.00x (docs/BENCHMARKS.md). No effect on
+        16-bit caches.
     """
 
     block_k: int = 64
@@ -44,14 +51,16 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     merge_in_kernel: bool = False
+    fp8_v_at_load: bool = False
 
     def __post_init__(self):
         for name in ("block_k", "num_splits", "num_warps", "num_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DecodeConfig.{name}={value!r} must be a positive int")
-        if not isinstance(self.merge_in_kernel, bool):
-            raise ValueError(f"DecodeConfig.merge_in_kernel={self.merge_in_kernel!r} must be a bool")
+        for name in ("merge_in_kernel", "fp8_v_at_load"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"DecodeConfig.{name}={getattr(self, name)!r} must be a bool")
         if self.block_k < 16 or self.block_k & (self.block_k - 1):
             raise ValueError(f"DecodeConfig.block_k={self.block_k} must be a power of two >= 16")
         if self.num_warps & (self.num_warps - 1):
@@ -103,8 +112,9 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
 # NVIDIA H200 (132 SMs), 2026-11-30 (docs/BENCHMARKS.md); only classes where the best candidate
 # beat the heuristic are listed.
 TUNED: dict[str, dict[tuple, DecodeConfig]] = {"NVIDIA H200": {
-    # fp8_b32_ctx4096: 113.1 us vs 115.8 us heuristic (1.02x)
-    ("float8_e4m3fn", 128, 4, 16, 32, 4096): DecodeConfig(block_k=128, num_splits=1, num_warps=4, num_stages=2),
+    # fp8_b32_ctx4096: 106.3-107.6 us vs 112.3-118.6 us for the entry before (bk128 s1 w4 st2),
+    # 2026-12-01, `python -m benchmarks.decode_anatomy` (docs/BENCHMARKS.md)
+    ("float8_e4m3fn", 128, 4, 16, 32, 4096): DecodeConfig(block_k=32, num_splits=4, num_warps=2, num_stages=2, fp8_v_at_load=True),
     # d256_b32_ctx4096: 271.3 us vs 378.7 us heuristic (1.40x)
     ("bfloat16", 256, 4, 16, 32, 4096): DecodeConfig(block_k=64, num_splits=1, num_warps=8, num_stages=2),
     # ragged_b64_ctx8192 (lengths uniform in 1..8192): 298.5 us vs 369.4 us heuristic (1.24x)

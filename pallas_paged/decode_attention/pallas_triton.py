@@ -82,6 +82,25 @@ def softmax_exp(x, *, interpret: bool):
     return out
 
 
+def value_tile_for_dot(v, compute_dtype, col_ok, *, at_load: bool):
+    """A loaded ``[Tk, Dp]`` V tile in the ``p @ v`` dot's operand dtype.
+
+    With ``at_load`` (`DecodeConfig.fp8_v_at_load`) an fp8 tile is also multiplied by
+    ``col_ok`` (1 on the head's columns, 0 on the padding, which the masked load has already
+    zeroed: the values do not change). A bare conversion lets Triton move it into the dot
+    operand's read from shared memory, where an fp8 tile transposed for ``p @ v`` is read one
+    byte per instruction and packed in pairs; the multiply by a tensor keeps the conversion where
+    the tile is loaded, so the tile reaches the dot as fp16 through ``ldmatrix.trans``. Other
+    dtypes, and fp8 without ``at_load``, convert directly.
+
+    Args:
+      v: ``[Tk, Dp]`` in the cache's dtype; col_ok: bool[Dp].
+    """
+    if not at_load or jnp.dtype(v.dtype).itemsize != 1:
+        return v.astype(compute_dtype)
+    return v.astype(compute_dtype) * col_ok.astype(compute_dtype)[None, :]
+
+
 def query_for_dots(q, score_scale, compute_dtype):
     """A tile of queries in the dots' operand dtype, and the factor its scores take.
 
@@ -168,6 +187,7 @@ def _paged_decode_kernel(
     soft_cap: float | None,
     window: int | None,
     merge_in_kernel: bool,
+    fp8_v_at_load: bool,
     interpret: bool,
 ):
     del arrivals_in_ref  # aliased to the arrivals output, which the kernel updates
@@ -213,7 +233,8 @@ def _paged_decode_kernel(
         alpha = softmax_exp(m_prev - m_safe, interpret=interpret)  # f32[Gp]
         p = softmax_exp(s - m_safe[:, None], interpret=interpret)  # f32[Gp, Tk], 0 where masked
         v = plgpu.load(v_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=0.0)  # [Tk, Dp]
-        acc = acc * alpha[:, None] + _dot_nn(p.astype(compute_dtype), v.astype(compute_dtype))
+        v = value_tile_for_dot(v, compute_dtype, col_ok, at_load=fp8_v_at_load)
+        acc = acc * alpha[:, None] + _dot_nn(p.astype(compute_dtype), v)
         return acc, m_next, l_prev * alpha + p.sum(axis=1)
 
     carry = (jnp.zeros((padded_group, padded_dim), jnp.float32),
@@ -444,7 +465,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         _paged_decode_kernel, scale=scale, block_size=block_size, block_k=config.block_k,
         num_splits=splits, padded_group=padded_group, padded_dim=padded_dim,
         compute_dtype=compute_dtype, soft_cap=logits_soft_cap, window=sliding_window,
-        merge_in_kernel=merge_in_kernel, interpret=interpret)
+        merge_in_kernel=merge_in_kernel, fp8_v_at_load=config.fp8_v_at_load, interpret=interpret)
     scales = None if k_scale is None else jnp.stack([k_scale, v_scale]).astype(jnp.float32)
     finals = (jax.ShapeDtypeStruct((batch, kvh, group, head_dim), q.dtype),
               jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32))
@@ -465,7 +486,8 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     aliases = {len(jax.tree_util.tree_leaves(operands)): len(out_shape) - 1} if merge_in_kernel \
         else {}
     name = (f"pallas_paged_decode_bk{config.block_k}_s{splits}_g{group}_d{head_dim}"
-            f"_bs{block_size}" + ("_merged" if merge_in_kernel else ""))
+            f"_bs{block_size}" + ("_merged" if merge_in_kernel else "")
+            + ("_vload" if config.fp8_v_at_load and k_cache.dtype.itemsize == 1 else ""))
     outs = pl.pallas_call(
         kernel,
         grid=(batch, kvh, splits),
