@@ -289,7 +289,7 @@ def config_label(c: DecodeConfig | MosaicDecodeConfig) -> str:
     if isinstance(c, MosaicDecodeConfig):
         return f"bk{c.block_k}/s{c.num_splits}/st{c.num_stages}/c{c.num_consumers}"
     return (f"bk{c.block_k}/s{c.num_splits}/w{c.num_warps}/st{c.num_stages}"
-            + ("/vl" if c.fp8_v_at_load else ""))
+            + ("/vl1" if c.fp8_v_at_load else ""))
 
 
 def abstract_args(shape: DecodeBenchShape) -> tuple:

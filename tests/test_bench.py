@@ -9,6 +9,7 @@ a head_dim-64 shape runs it beside the Triton kernel where it can (interpret mod
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -677,3 +678,65 @@ def test_jsonable_writes_strict_json():
     assert json.loads(text) == {"a": 1.5, "b": [3, "nan"], "4": [0, 1],
                                 "c": ["inf", "-inf", None, True, False], "d": str(DecodeConfig)}
 
+
+
+def test_ncu_opcodes_sums_the_source_page_by_opcode(tmp_path):
+    """`benchmarks.ncu_opcodes`: instructions and stall samples summed per opcode (predicates
+    dropped), shares of the totals, ncu's own lines before the header skipped."""
+    from benchmarks import ncu_opcodes
+
+    page = tmp_path / "source.csv"
+    page.write_text(
+        "==PROF== Connected to process 1\n"
+        '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"\n'
+        '"0x10","@P0 LDS.U8 R1, [R2]","10","1,000"\n'
+        '"0x20","HMMA.16816.F32 R4, R8, R12, R4","30","500"\n'
+        '"0x30","LDS.U8 R3, [R2+0x1]","5","1,000"\n'
+        '"0x40","@!PT BAR.SYNC.DEFER_BLOCKING 0x0","55","100"\n')
+    per_opcode, totals = ncu_opcodes.summarize(ncu_opcodes.read_source_page(str(page)))
+    assert per_opcode["LDS.U8"][ncu_opcodes.INSTRUCTIONS] == 2000
+    assert per_opcode["BAR.SYNC.DEFER_BLOCKING"][ncu_opcodes.STALLS] == 55
+    assert totals[ncu_opcodes.INSTRUCTIONS] == 2600 and totals[ncu_opcodes.STALLS] == 100
+    text = ncu_opcodes.table(per_opcode, totals, top=2)
+    assert text.splitlines()[2].startswith("| LDS.U8 | 2,000 (76.9%) | 15 (15.0%) |")
+    assert "BAR.SYNC" not in text  # third by instructions: cut by top=2
+    (tmp_path / "empty.csv").write_text("nothing\n")
+    assert ncu_opcodes.main([str(tmp_path / "empty.csv")]) == 2
+
+
+@pytest.mark.parametrize("label,expected", [
+    ("bk32/s4/w2/st2/vl1", dict(block_k=32, num_splits=4, num_warps=2, num_stages=2,
+                                fp8_v_at_load=True)),
+    ("vl0", dict(fp8_v_at_load=False))])
+def test_triton_sass_config_labels_round_trip(label, expected):
+    from benchmarks import triton_sass
+    assert triton_sass.parse_config(label) == expected
+    config = DecodeConfig(**{**dict(block_k=64, num_splits=1, num_warps=4, num_stages=2),
+                             **expected})
+    assert triton_sass.parse_config(bench.config_label(config)) == {
+        k: v for k, v in dataclasses.asdict(config).items()
+        if k != "merge_in_kernel" and (k != "fp8_v_at_load" or v)}
+    with pytest.raises(ValueError, match="vl takes 0 or 1"):
+        triton_sass.parse_config("vl2")
+
+
+def test_triton_sass_takes_the_decode_kernel_of_the_named_shape():
+    """Lowered for CUDA on the CPU, the IR is the decode kernel of the shape's config (its name
+    says the tile, splits and ``fp8_v_at_load``), with both dots; compiled to SASS where the
+    ``triton`` package is installed."""
+    from benchmarks import triton_sass
+
+    config = triton_sass.kernel_config("fp8_b32_ctx4096", {"fp8_v_at_load": True})
+    ir_text = triton_sass.triton_ir("fp8_b32_ctx4096", config)
+    head = ir_text.split("\n", 1)[0]
+    assert f"pallas_paged_decode_bk{config.block_k}_s{config.num_splits}" in head
+    assert head.rstrip(" {").endswith("_vload")
+    assert ir_text.count("tt.dot ") == 2
+    plain = triton_sass.triton_ir("fp8_b32_ctx4096", dataclasses.replace(config,
+                                                                          fp8_v_at_load=False))
+    assert "_vload" not in plain.split("\n", 1)[0]
+    pytest.importorskip("triton")
+    import tempfile
+    result = triton_sass.compile_sass(ir_text, config, tempfile.mkdtemp())
+    assert result["registers"] and result["opcodes"]["HMMA.16816.F32"] > 0
+    assert "LDS.U8" not in result["opcodes"]

@@ -112,8 +112,9 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
 # NVIDIA H200 (132 SMs), 2026-11-30 (docs/BENCHMARKS.md); only classes where the best candidate
 # beat the heuristic are listed.
 TUNED: dict[str, dict[tuple, DecodeConfig]] = {"NVIDIA H200": {
-    # fp8_b32_ctx4096: 106.3-107.6 us vs 112.3-118.6 us for the entry before (bk128 s1 w4 st2),
-    # 2026-12-01, `python -m benchmarks.decode_anatomy` (docs/BENCHMARKS.md)
+    # fp8_b32_ctx4096: 106.3-107.6 us vs 112.3-115.5 us for the entry before (bk128 s1 w4 st2;
+    # 106.3 vs 115.5 us in one run), 2026-12-01, `python -m benchmarks.decode_anatomy`
+    # (docs/BENCHMARKS.md, "fp8 decode: where the kernel waits")
     ("float8_e4m3fn", 128, 4, 16, 32, 4096): DecodeConfig(block_k=32, num_splits=4, num_warps=2, num_stages=2, fp8_v_at_load=True),
     # d256_b32_ctx4096: 271.3 us vs 378.7 us heuristic (1.40x)
     ("bfloat16", 256, 4, 16, 32, 4096): DecodeConfig(block_k=64, num_splits=1, num_warps=8, num_stages=2),
