@@ -106,7 +106,8 @@ def read_only_configs(default: pp.DecodeConfig, with_configs: bool) -> list:
     also 64-token tiles with 2 and 4 splits and 128-token tiles with 2."""
     out = [default]
     if with_configs:
-        out += [pp.DecodeConfig(block_k=64, num_splits=2), pp.DecodeConfig(block_k=64, num_splits=4),
+        out += [pp.DecodeConfig(block_k=64, num_splits=2),
+                pp.DecodeConfig(block_k=64, num_splits=4),
                 pp.DecodeConfig(block_k=128, num_splits=2)]
     return list(dict.fromkeys(out))
 
@@ -137,7 +138,7 @@ def empty_call(q, k_cache, block_tables, context_lens, *, config: pp.DecodeConfi
 def _read_only_kernel(lens_ref,    # i32[batch]
                       tables_ref,  # i32[batch, max_blocks]
                       q_ref,       # [batch, num_heads, head_dim], not read
-                      k_ref,       # u32[num_blocks * block_size, kvh, words]: the cache's rows as words
+                      k_ref,       # u32[num_blocks * block_size, kvh, words]: rows as words
                       v_ref,       # u32[num_blocks * block_size, kvh, words]
                       out_ref,     # u32[batch, kvh, splits]
                       *, block_size: int, block_k: int, num_splits: int):

@@ -1,7 +1,8 @@
-"""An Nsight Compute source page, summed by SASS opcode: where a kernel's instructions and its
+r"""An Nsight Compute source page, summed by SASS opcode: where a kernel's instructions and its
 warps' stall samples go.
 
-    ncu ... --section SourceCounters --section WarpStateStats -o REPORT python -m benchmarks.profile_kernel --shape S
+    ncu ... --section SourceCounters --section WarpStateStats -o REPORT \
+        python -m benchmarks.profile_kernel --shape S
     ncu -i REPORT --page source --csv --print-source sass > source.csv
     python -m benchmarks.ncu_opcodes source.csv [--top 20]
 

@@ -1,4 +1,4 @@
-"""A few calls of one named shape's kernel, for a profiler to look at (Nsight Compute on a GPU).
+r"""A few calls of one named shape's kernel, for a profiler to look at (Nsight Compute on a GPU).
 
     ncu --clock-control none --kernel-name regex:pallas_paged --launch-skip 1 \
         --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
