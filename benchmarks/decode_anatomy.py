@@ -58,7 +58,8 @@ from pallas_paged._platform import device_kind, sm_count
 from pallas_paged.decode_attention import configs
 from pallas_paged.decode_attention.api import decode_shape
 from pallas_paged.decode_attention.pallas_triton import (_merge_splits, decode_kernel_call,
-                                                         merge_splits_pallas, tile_range)
+                                                         merge_splits_pallas, tile_range,
+                                                         tile_slots)
 
 SHAPES = ("b1_ctx32768", "fp8_b32_ctx4096", "b32_ctx4096")
 SMOKE_SHAPES = ("small_b2_ctx64", "small_fp8_b2_ctx64")
@@ -99,6 +100,11 @@ def config_variants(default: pp.DecodeConfig, fp8: bool) -> list:
         out += [dataclasses.replace(default, num_warps=8),
                 dataclasses.replace(default, num_stages=3)]
     return [c for c in dict.fromkeys(out) if c != default]
+
+
+def config_words(c: pp.DecodeConfig) -> str:
+    """``"bk64 s2 w4 st2"``: a config's tile, splits, warps and stages, as the rows name them."""
+    return f"bk{c.block_k} s{c.num_splits} w{c.num_warps} st{c.num_stages}"
 
 
 def read_only_configs(default: pp.DecodeConfig, with_configs: bool) -> list:
@@ -155,12 +161,8 @@ def _read_only_kernel(lens_ref,    # i32[batch]
     cols = jnp.arange(words)  # [W]
 
     def tile_body(tile, acc):  # acc: u32[Tk, W]
-        pos = tile * block_k + jnp.arange(block_k)  # i32[Tk]
-        valid = (pos >= first) & (pos < n)
-        page = jnp.where(valid, pos // block_size, 0)
-        block = jnp.clip(plgpu.load(tables_ref.at[b, page], mask=valid, other=0), 0,
-                         num_blocks - 1)  # i32[Tk]
-        slot = block * block_size + pos % block_size  # i32[Tk]
+        _, valid, slot = tile_slots(tables_ref, b, tile, first, n, block_k=block_k,
+                                    block_size=block_size, num_blocks=num_blocks)  # [Tk] each
         k = plgpu.load(k_ref.at[slot[:, None], h, cols[None, :]], mask=valid[:, None],
                        other=0)  # u32[Tk, W]
         v = plgpu.load(v_ref.at[slot[:, None], h, cols[None, :]], mask=valid[:, None],
@@ -241,13 +243,17 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
     contiguous = [contiguous[i % copies] for i in range(reps)]
     rows = []
 
+    def wanted(label):
+        """``--only``: a part ``=LABEL`` is that label exactly, any other part a substring."""
+        return not only or any(label == part[1:] if part.startswith("=") else part in label
+                               for part in only)
+
     def timed(label, fn, firsts=qs_all, tables_of=tables_all, check=False, config=None):
         """Time ``fn(firsts[i], tables_of[i])`` as `benchmarks.bench` does in loop mode: ``reps``
         straight-line calls in one jitted program (``firsts[i]`` is call ``i``'s own array, so
         XLA cannot merge calls); the first call's output is checked against the reference when
         ``check``."""
-        if only and not any(label == part[1:] if part.startswith("=") else part in label
-                            for part in only):
+        if not wanted(label):
             return
         row = {"shape": name, "variant": label, "config": None if config is None else
                dataclasses.asdict(config)}
@@ -320,18 +326,17 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
               firsts=per_call(o[None], 1, reps), tables_of=[(m, l)] * reps)
     timed("empty kernel (launch only)",
           lambda q, t: empty_call(q, kc, t, lens, config=default, interpret=interpret))
-    if not only or any(part in "read only" or "read only" in part for part in only):
+    read_only = [(f"read only {config_words(c)}", c)
+                 for c in read_only_configs(default, with_configs)]
+    if any(wanted(label) for label, _ in read_only):  # the word views only when timed
         k_words, v_words = jax.block_until_ready((as_words(kc), as_words(vc)))
-        for config in read_only_configs(default, with_configs):
-            timed(f"read only bk{config.block_k} s{config.num_splits} w{config.num_warps}"
-                  f" st{config.num_stages}",
-                  lambda q, t, c=config: read_only_call(q, k_words, v_words, t, lens,
-                                                        block_size=shape.block_size, config=c,
-                                                        interpret=interpret))
+        for label, config in read_only:
+            timed(label, lambda q, t, c=config: read_only_call(
+                q, k_words, v_words, t, lens, block_size=shape.block_size, config=c,
+                interpret=interpret))
         del k_words, v_words
     for config in config_variants(default, shape.is_fp8) if with_configs else ():
-        label = (f"decode bk{config.block_k} s{config.num_splits} w{config.num_warps}"
-                 f" st{config.num_stages}" + (" merged" if config.merge_in_kernel else "")
+        label = (f"decode {config_words(config)}" + (" merged" if config.merge_in_kernel else "")
                  + (" vl" if config.fp8_v_at_load else ""))
         timed(label, decode_fn(config), check=True, config=config)
     return rows

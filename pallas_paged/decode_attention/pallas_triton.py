@@ -164,6 +164,28 @@ def tile_range(n, split, *, block_k: int, num_splits: int, window: int | None):
     return first, tile_lo, tile_hi
 
 
+def tile_slots(tables_ref, b, tile, first, n, *, block_k: int, block_size: int, num_blocks: int):
+    """Where tile ``tile`` of sequence ``b`` lives in the slot-major cache.
+
+    Table entries are loaded only for positions in ``[first, n)``, and every block id is clamped
+    into ``[0, num_blocks)`` before it becomes an address, so a garbage table cannot read outside
+    the cache.
+
+    Args:
+      tables_ref: i32[batch, max_blocks]; b, tile, first, n: int32 scalars (`tile_range`'s).
+
+    Returns:
+      ``(pos, valid, slot)``, each i32/bool[Tk]: the tile's logical positions, which of them are
+      in ``[first, n)``, and their cache slots (those of block 0 where not valid).
+    """
+    pos = tile * block_k + jnp.arange(block_k)  # i32[Tk]
+    valid = (pos >= first) & (pos < n)
+    page = jnp.where(valid, pos // block_size, 0)
+    block = plgpu.load(tables_ref.at[b, page], mask=valid, other=0)  # i32[Tk]
+    block = jnp.clip(block, 0, num_blocks - 1)  # a garbage id can never leave the cache
+    return pos, valid, block * block_size + pos % block_size
+
+
 def _paged_decode_kernel(
     lens_ref,    # i32[batch]
     tables_ref,  # i32[batch, max_blocks]
@@ -213,12 +235,8 @@ def _paged_decode_kernel(
 
     def tile_body(tile, carry):
         acc, m_prev, l_prev = carry  # f32[Gp, Dp], f32[Gp], f32[Gp]
-        pos = tile * block_k + jnp.arange(block_k)  # i32[Tk], logical positions
-        valid = (pos >= first) & (pos < n)
-        page = jnp.where(valid, pos // block_size, 0)
-        block = plgpu.load(tables_ref.at[b, page], mask=valid, other=0)  # i32[Tk]
-        block = jnp.clip(block, 0, num_blocks - 1)  # a garbage id can never leave the cache
-        slot = block * block_size + pos % block_size  # i32[Tk]
+        pos, valid, slot = tile_slots(tables_ref, b, tile, first, n, block_k=block_k,
+                                      block_size=block_size, num_blocks=num_blocks)
         kv_mask = valid[:, None] & col_ok[None, :]
         k = plgpu.load(k_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=0.0)  # [Tk, Dp]
         s = _dot_nt(q, k.astype(compute_dtype))  # f32[Gp, Tk]
@@ -457,6 +475,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     group = num_heads // kvh
     splits = config.num_splits
     merge_in_kernel = config.merge_in_kernel and splits > 1
+    fp8_v_at_load = config.fp8_v_at_load and jnp.dtype(v_cache.dtype).itemsize == 1
     padded_group = max(MIN_DOT_ROWS, next_power_of_2(group))
     padded_dim = max(16, next_power_of_2(head_dim))
     compute_dtype = dot_dtype(q.dtype, k_cache.dtype)
@@ -465,7 +484,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         _paged_decode_kernel, scale=scale, block_size=block_size, block_k=config.block_k,
         num_splits=splits, padded_group=padded_group, padded_dim=padded_dim,
         compute_dtype=compute_dtype, soft_cap=logits_soft_cap, window=sliding_window,
-        merge_in_kernel=merge_in_kernel, fp8_v_at_load=config.fp8_v_at_load, interpret=interpret)
+        merge_in_kernel=merge_in_kernel, fp8_v_at_load=fp8_v_at_load, interpret=interpret)
     scales = None if k_scale is None else jnp.stack([k_scale, v_scale]).astype(jnp.float32)
     finals = (jax.ShapeDtypeStruct((batch, kvh, group, head_dim), q.dtype),
               jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32))
@@ -487,7 +506,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         else {}
     name = (f"pallas_paged_decode_bk{config.block_k}_s{splits}_g{group}_d{head_dim}"
             f"_bs{block_size}" + ("_merged" if merge_in_kernel else "")
-            + ("_vload" if config.fp8_v_at_load and k_cache.dtype.itemsize == 1 else ""))
+            + ("_vload" if fp8_v_at_load else ""))
     outs = pl.pallas_call(
         kernel,
         grid=(batch, kvh, splits),
