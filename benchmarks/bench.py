@@ -85,6 +85,7 @@ from pallas_paged.decode_attention import configs, mosaic_gpu
 from pallas_paged.decode_attention.configs import (DecodeConfig, MosaicDecodeConfig,
                                                    get_heuristic_config)
 from pallas_paged.decode_attention.api import auto_impl, decode, decode_shape
+from pallas_paged.decode_attention.pallas_triton import kv_ring_depth
 from pallas_paged._platform import device_kind, has_gpu, next_power_of_2, sm_count
 from benchmarks.shapes import (ALL_SHAPES, SHAPE_GROUPS, SMALL_SHAPES, DecodeBenchShape,
                                  make_decode_inputs, random_normal, rotation_copies,
@@ -105,6 +106,9 @@ COPY_BYTES = 4 * 2**30
 REL_TOL = 2e-2                  # relative L2 error above which an output is WRONG (bf16: ~4e-3)
 REF_ROWS = 8                    # batch rows compared with the float64 oracle
 SMEM_BYTES = 220 * 1024         # prune tune candidates whose K/V tiles alone exceed this
+# num_stages the tuner tries: no pipelining, then K/V rings of 1 (the table load not pipelined,
+# then pipelined), 2 and 3 tiles (`pallas_triton.kv_ring_depth`).
+TUNE_STAGES = (1, 2, 3, 5, 7)
 JAX_PA_BLOCK_H = 16
 IMPL_MARGIN = 1.02              # an IMPL_CHOICE entry needs Mosaic at least this much faster
 
@@ -374,8 +378,10 @@ def _jax_pa_call(jax_pa, config: dict, interpret: bool):
 
 
 def _tile_bytes(block_k: int, shape: DecodeBenchShape, stages: int) -> int:
+    """Shared memory of the K/V tiles in flight (`pallas_triton.kv_ring_depth`), counted at 16
+    bits per element (an fp8 tile converted at load has an fp16 copy too)."""
     return 2 * block_k * next_power_of_2(shape.head_dim) * max(2, shape.cache_itemsize) * max(
-        1, stages - 1)
+        1, kv_ring_depth(stages))
 
 
 def tune_stage1(shape: DecodeBenchShape, base: DecodeConfig, heuristic: DecodeConfig) -> list:
@@ -399,10 +405,12 @@ def tune_stage1(shape: DecodeBenchShape, base: DecodeConfig, heuristic: DecodeCo
 def tune_stage2(shape: DecodeBenchShape, best: DecodeConfig) -> list:
     """num_warps x num_stages at the best (block_k, num_splits); for fp8 caches 2 warps too,
     each with and without `DecodeConfig.fp8_v_at_load` (small tiles of few warps were the
-    fastest with it on the H200)."""
+    fastest with it on the H200). Stages: one of each K/V ring depth
+    (`pallas_triton.kv_ring_depth`: 4 compiles to the program of 3, 6 to that of 5), and 2,
+    where the table load is not pipelined."""
     fp8 = shape.cache_itemsize == 1
     return [dataclasses.replace(best, num_warps=w, num_stages=st, fp8_v_at_load=at_load)
-            for w in ((2, 4, 8) if fp8 else (4, 8)) for st in (1, 2, 3, 4)
+            for w in ((2, 4, 8) if fp8 else (4, 8)) for st in TUNE_STAGES
             for at_load in ((False, True) if fp8 else (best.fp8_v_at_load,))
             if _tile_bytes(best.block_k, shape, st) <= SMEM_BYTES]
 

@@ -41,6 +41,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import sys
 
 import jax
@@ -65,38 +66,54 @@ SHAPES = ("b1_ctx32768", "fp8_b32_ctx4096", "b32_ctx4096")
 SMOKE_SHAPES = ("small_b2_ctx64", "small_fp8_b2_ctx64")
 
 
-def config_variants(default: pp.DecodeConfig, fp8: bool) -> list:
-    """Configs around ``default``: split counts and tiles, then warps and stages.
+def config_variants(default: pp.DecodeConfig, fp8: bool, pairs: int) -> list:
+    """Configs around ``default`` for a shape of ``pairs`` (sequence, kv head) pairs, the most
+    telling first (a run may stop early).
 
-    For fp8 caches, the most telling first (a run may stop early): the tuned entry before
-    (128-token tiles, one split, 4 warps), then small tiles of 1-2 warps with
-    ``fp8_v_at_load`` (the fastest kind on the H200, 2026-12-01: Nsight Compute put a fifth of
-    the 128-token kernel's stall samples on the barrier where its warps wait for a tile's data,
-    and its instruction count was not what held it: converting V at load cut it by 29% for no
-    gain there), then 64-, 128- and 32-token tiles of 4 or 8 warps with more splits and
-    stages.
+    First K/V rings two tiles deep (``num_stages=5``): `pallas_triton.kv_ring_depth` says that
+    stages 2 to 4 all keep one K/V tile in flight per program, issued only after the tile before
+    was consumed (the stage sweeps of 2026-12-01 measured no difference between them), and
+    ``python -m benchmarks.triton_sass`` counts the K/V bytes in flight per multiprocessor that
+    each config can hold. For fp8 caches these are split counts for about four programs per
+    multiprocessor (``512 / pairs``; twice that for 32-token tiles), 64- and 128-token tiles,
+    the V tile converted at load; for 16-bit caches the default with 5 stages, and with half
+    its tile. Then, for fp8, the entry before the current one (128-token tiles, one split, 4
+    warps), small tiles of 1-2 warps with ``fp8_v_at_load`` (the fastest kind on the H200,
+    2026-12-01), then 64-, 128- and 32-token tiles of 4 or 8 warps with more splits; for 16-bit
+    caches split counts and tiles around the default, 8 warps, 3 stages.
     """
+    def splits(programs: int) -> int:  # a power of two near programs / pairs
+        return 1 << max(0, round(math.log2(max(programs / max(pairs, 1), 1))))
+
     out = []
-    if fp8:  # the entry before (bk128 s1), then fewer warps with the V tile converted at load
-        out += [pp.DecodeConfig(block_k=128, num_splits=1)]
-        out += [pp.DecodeConfig(block_k=block_k, num_splits=splits, num_warps=warps,
+    if fp8:
+        out += [pp.DecodeConfig(block_k=block_k, num_splits=splits(programs), num_warps=warps,
+                                num_stages=5, fp8_v_at_load=True)
+                for block_k, programs, warps in ((64, 512, 4), (64, 512, 2), (128, 256, 4),
+                                                 (32, 1024, 2))]
+        out += [pp.DecodeConfig(block_k=128, num_splits=splits(256))]
+        out += [pp.DecodeConfig(block_k=block_k, num_splits=splits(programs), num_warps=warps,
                                 num_stages=stages, fp8_v_at_load=True)
-                for block_k, splits, warps, stages in ((64, 4, 2, 2), (32, 4, 2, 2),
-                                                       (32, 8, 1, 2), (64, 2, 2, 3))]
-        out += [pp.DecodeConfig(block_k=64, num_splits=splits, num_stages=stages)
-                for splits in (2, 4) for stages in (3, 2, 4)]
-        out += [pp.DecodeConfig(block_k=128, num_splits=2, num_stages=stages) for stages in (2, 3)]
-        out += [pp.DecodeConfig(block_k=128, num_splits=1, num_warps=8),
-                pp.DecodeConfig(block_k=128, num_splits=1, num_stages=3),
-                pp.DecodeConfig(block_k=128, num_splits=1, num_stages=4),
-                pp.DecodeConfig(block_k=64, num_splits=2, num_warps=8, num_stages=3),
-                pp.DecodeConfig(block_k=32, num_splits=4, num_stages=3),
-                pp.DecodeConfig(block_k=32, num_splits=8, num_stages=3)]
+                for block_k, programs, warps, stages in ((64, 1024, 2, 2), (32, 1024, 2, 2),
+                                                         (32, 2048, 1, 2), (64, 512, 2, 3))]
+        out += [pp.DecodeConfig(block_k=64, num_splits=splits(programs), num_stages=stages)
+                for programs in (512, 1024) for stages in (3, 2)]
+        out += [pp.DecodeConfig(block_k=128, num_splits=splits(512), num_stages=stages)
+                for stages in (2, 3)]
+        out += [pp.DecodeConfig(block_k=128, num_splits=splits(256), num_warps=8),
+                pp.DecodeConfig(block_k=128, num_splits=splits(256), num_stages=3),
+                pp.DecodeConfig(block_k=64, num_splits=splits(512), num_warps=8, num_stages=3),
+                pp.DecodeConfig(block_k=32, num_splits=splits(1024), num_stages=3),
+                pp.DecodeConfig(block_k=32, num_splits=splits(2048), num_stages=3)]
     else:
-        for splits in sorted({max(1, default.num_splits // 2), default.num_splits,
-                              default.num_splits * 2}):
+        half = max(16, default.block_k // 2)
+        out += [dataclasses.replace(default, num_stages=5),
+                dataclasses.replace(default, block_k=half, num_stages=5),
+                dataclasses.replace(default, block_k=half, num_warps=2, num_stages=5)]
+        for n_splits in sorted({max(1, default.num_splits // 2), default.num_splits,
+                                default.num_splits * 2}):
             for block_k in sorted({default.block_k, 2 * default.block_k}):
-                out.append(dataclasses.replace(default, num_splits=splits, block_k=block_k))
+                out.append(dataclasses.replace(default, num_splits=n_splits, block_k=block_k))
         out += [dataclasses.replace(default, num_warps=8),
                 dataclasses.replace(default, num_stages=3)]
     return [c for c in dict.fromkeys(out) if c != default]
@@ -335,7 +352,8 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
                 q, k_words, v_words, t, lens, block_size=shape.block_size, config=c,
                 interpret=interpret))
         del k_words, v_words
-    for config in config_variants(default, shape.is_fp8) if with_configs else ():
+    pairs = shape.batch * shape.num_kv_heads
+    for config in config_variants(default, shape.is_fp8, pairs) if with_configs else ():
         label = (f"decode {config_words(config)}" + (" merged" if config.merge_in_kernel else "")
                  + (" vl" if config.fp8_v_at_load else ""))
         timed(label, decode_fn(config), check=True, config=config)

@@ -37,7 +37,7 @@ WRITE_TOKENS, WRITE_BLOCKS = 16384, 16384
 def configs_for(name: str, quick: bool):
     """The decode configs swept for shape ``name``."""
     if name.startswith("fp8"):
-        for bk, s, w, st in itertools.product((128, 256), (1, 2), (4, 8), (2, 3)):
+        for bk, s, w, st in itertools.product((128, 256), (1, 2), (4, 8), (2, 5)):
             yield pp.DecodeConfig(block_k=bk, num_splits=s, num_warps=w, num_stages=st)
         return
     if name in ("b1_ctx32768", "b4_ctx131072"):
@@ -46,7 +46,9 @@ def configs_for(name: str, quick: bool):
         splits = (1, 2, 4)
     block_ks = (32, 64) if quick else (32, 64, 128)
     warps = (4,) if quick else (4, 8)
-    stages = (2, 3) if quick else (2, 3, 4)
+    # K/V rings of one and two tiles (`pallas_triton.kv_ring_depth`), and 3 stages: one tile,
+    # the table load pipelined as well.
+    stages = (2, 5) if quick else (2, 3, 5)
     for bk, s, w, st in itertools.product(block_ks, splits, warps, stages):
         yield pp.DecodeConfig(block_k=bk, num_splits=s, num_warps=w, num_stages=st)
 

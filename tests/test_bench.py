@@ -24,6 +24,7 @@ import pytest
 from benchmarks import bench, bench_mosaic, bench_ragged
 from pallas_paged.decode_attention import mosaic_gpu
 from pallas_paged.decode_attention.configs import DecodeConfig
+from pallas_paged.decode_attention.pallas_triton import kv_ring_depth
 from benchmarks.shapes import (ALL_SHAPES, BENCH_SHAPES, EXTENSION_SHAPES, SMALL_SHAPES,
                                  DecodeBenchShape, make_block_tables, make_decode_inputs,
                                  shape_by_name)
@@ -199,9 +200,15 @@ def test_tune_candidates_are_bounded(shape):
     stage1 = bench.tune_stage1(shape, default, default)
     stage2 = bench.tune_stage2(shape, stage1[0])
     stage3 = bench.tune_stage3(stage1, stage2[0])
-    assert len(stage1) <= 12 and len(stage2) <= (24 if shape.cache_itemsize == 1 else 8)
+    assert len(stage1) <= 12 and len(stage2) <= (30 if shape.cache_itemsize == 1 else 10)
     assert len(stage3) <= 3
     assert len(set(stage2)) == len(stage2)
+    # one config per K/V ring depth, not two programs of one depth (4 stages compile as 3)
+    depths = {(c.num_warps, c.fp8_v_at_load, c.num_stages): kv_ring_depth(c.num_stages)
+              for c in stage2}
+    assert {c.num_stages for c in stage2} <= set(bench.TUNE_STAGES)
+    assert {kv_ring_depth(st) for st in bench.TUNE_STAGES} == {0, 1, 2, 3}
+    assert len(depths) == len(stage2)
     assert any(c.fp8_v_at_load for c in stage2) == (shape.cache_itemsize == 1)
     assert {c.block_k for c in stage1} <= {16, 32, 64, 128}
     assert len(set(stage1)) == len(stage1)
@@ -720,6 +727,57 @@ def test_triton_sass_config_labels_round_trip(label, expected):
         triton_sass.parse_config("vl2")
 
 
+def test_kv_ring_depth_follows_the_stages_split_between_table_and_tile_loads():
+    """Two chained loads (block ids, then the K/V rows they address) share ``num_stages - 1``:
+    2 to 4 stages keep one tile in flight, 5 and 6 two, 7 and 8 three; 1 pipelines nothing."""
+    assert [kv_ring_depth(st) for st in range(1, 9)] == [0, 1, 1, 1, 2, 2, 3, 3]
+
+
+_SASS_WITH_A_LOOP = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+        /*0020*/                   HMMA.16816.F32 R4, R8, R12, RZ ;
+        /*0030*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0040*/                   ISETP.NE.AND P0, PT, R2, R3, PT ;
+        /*0050*/               @P0 BRA 0x20 ;
+        /*0060*/                   EXIT ;
+        /*0070*/                   BRA 0x70;
+"""
+_TTGIR_RINGS = """
+    %1 = ttg.local_alloc : () -> !ttg.memdesc<2x32x128xf8E4M3FN, #shared, #smem, mutable>
+    %2 = ttg.local_alloc : () -> !ttg.memdesc<2x32x128xf8E4M3FN, #shared1, #smem, mutable>
+    %3 = ttg.local_alloc : () -> !ttg.memdesc<2x32xi32, #shared2, #smem, mutable>
+    %4 = ttg.local_alloc %0 : (tensor<16x128xf16, #blocked>) -> !ttg.memdesc<16x128xf16, #s>
+"""
+
+
+def test_triton_sass_reads_the_tile_loop_the_rings_and_the_residency():
+    """What `benchmarks.triton_sass` prints besides opcodes, on text of the forms it reads: the
+    longest backward branch's span (the tile loop), the K/V rings' depth (not the block ids'),
+    programs per sm_90 multiprocessor by their binding limit (figures of compiled kernels)."""
+    from benchmarks import triton_sass
+
+    assert triton_sass.loop_instructions(_SASS_WITH_A_LOOP) == 4  # 0x20 .. 0x50
+    assert triton_sass.ring_depth_in_ttgir(_TTGIR_RINGS, block_k=32) == 2
+    assert triton_sass.ring_depth_in_ttgir(_TTGIR_RINGS, block_k=64) == 0
+    assert triton_sass.programs_per_sm(128, 21504, 2) == (8, "registers")
+    assert triton_sass.programs_per_sm(109, 55808, 4) == (4, "registers")
+    assert triton_sass.programs_per_sm(168, 55808, 2) == (4, "shared memory")
+    assert triton_sass.programs_per_sm(32, 1024, 1) == (32, "blocks")
+    assert triton_sass.programs_per_sm(24, 1024, 16) == (4, "warps")
+    config = DecodeConfig(block_k=32, num_splits=4, num_warps=2, num_stages=5,
+                          fp8_v_at_load=True)
+    line = triton_sass.pipeline_summary("fp8_b32_ctx4096", config, dict(
+        registers=128, shared_bytes=29952, loop_instructions=567, kv_ring_depth=2))
+    assert line.startswith("bk32/s4/w2/st5/vl1: 128 regs, 29952 B smem; tile loop 567")
+    # 1024 programs, 7 per multiprocessor (shared memory): 7 x 2 tiles x 8 KiB
+    assert "K/V ring 2 deep; 7 programs/SM (by shared memory), grid 1024 = 1.11 waves" in line
+    assert line.endswith("K/V in flight <= 112 KiB/SM")
+    wrong = triton_sass.pipeline_summary("fp8_b32_ctx4096", config, dict(
+        registers=128, shared_bytes=29952, loop_instructions=567, kv_ring_depth=1))
+    assert "(kv_ring_depth says 2)" in wrong
+
+
 def test_triton_sass_takes_the_decode_kernel_of_the_named_shape():
     """Lowered for CUDA on the CPU, the IR is the decode kernel of the shape's config (its name
     says the tile, splits and ``fp8_v_at_load``), with both dots; compiled to SASS where the
@@ -740,3 +798,9 @@ def test_triton_sass_takes_the_decode_kernel_of_the_named_shape():
     result = triton_sass.compile_sass(ir_text, config, tempfile.mkdtemp())
     assert result["registers"] and result["opcodes"]["HMMA.16816.F32"] > 0
     assert "LDS.U8" not in result["opcodes"]
+    assert result["kv_ring_depth"] == kv_ring_depth(config.num_stages)
+    assert result["loop_instructions"] > 0
+    deeper = dataclasses.replace(config, num_stages=5)
+    result = triton_sass.compile_sass(triton_sass.triton_ir("fp8_b32_ctx4096", deeper), deeper,
+                                      tempfile.mkdtemp())
+    assert result["kv_ring_depth"] == kv_ring_depth(5) == 2

@@ -32,7 +32,11 @@ class DecodeConfig:
       num_splits: KV splits per (sequence, kv head) (flash-decoding). Each split walks an equal
         share of the sequence's tiles; 1 means no split and no merge step.
       num_warps: warps per program.
-      num_stages: software-pipelining depth of the tile loop.
+      num_stages: software-pipelining depth of the tile loop, as Triton takes it. The K/V loads
+        depend on a table load, and Triton's pipeliner splits the stages between the two: 2, 3
+        and 4 keep one K/V tile in flight per program, 5 and 6 two, 7 and 8 three
+        (`pallas_triton.kv_ring_depth`); each tile in flight holds its K and V rows in shared
+        memory.
       merge_in_kernel: with several splits, the program that finishes a (sequence, kv head) last
         merges its splits' partial results (it learns it is last from an atomic count of
         arrivals), so decode is one kernel launch instead of two (the kernel, then the merge

@@ -143,6 +143,25 @@ def _dot_nn(a, b):
                                preferred_element_type=jnp.float32)
 
 
+def kv_ring_depth(num_stages: int) -> int:
+    """K (and V) tiles of one program in shared memory at once when Triton pipelines the tile
+    loop with ``num_stages``: the loop's K/V loads are issued that many tiles ahead.
+
+    Triton's pipeliner (its latency assignment, Triton 3.x) gives each load of a chain feeding a
+    dot ``(num_stages - 1) // (levels + 1)`` stages of lead, where ``levels`` counts the loads the
+    chain goes through: here the block ids of a tile are one load, and the K/V rows they address
+    another. With ``num_stages = 2`` the table load is not pipelined and the K/V loads lead by
+    one tile; from 3 the table load is pipelined too and the two share the stages, so 2, 3 and 4
+    all keep **one** K/V tile in flight per program (issued after the tile before was consumed,
+    so a program's copies do not overlap its own dots), 5 and 6 two, 7 and 8 three. 1: no
+    pipelining (0). Checked against the compiled kernel on the CPU by
+    ``python -m benchmarks.triton_sass`` (which reads the depth from the Triton GPU IR).
+    """
+    if num_stages < 2:
+        return 0
+    return max(1, (num_stages - 1) // 2)
+
+
 def tile_range(n, split, *, block_k: int, num_splits: int, window: int | None):
     """The tiles one program walks: ``[tile_lo, tile_hi)`` of ``block_k`` tokens each.
 
