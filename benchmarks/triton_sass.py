@@ -1,11 +1,14 @@
-"""The decode Triton kernel's machine code for a named shape, without a GPU: what a config
-compiles to (registers, shared memory, instructions by opcode, how deep its K/V tiles are
-pipelined, how many programs a multiprocessor holds) before a GPU run times it.
+"""A Triton kernel's machine code for a named shape, without a GPU: what a config compiles to
+(registers, shared memory, instructions by opcode, how deep its K/V tiles are pipelined, how
+many programs a multiprocessor holds) before a GPU run times it.
 
     python -m benchmarks.triton_sass --shape fp8_b32_ctx4096 [--config bk32/s4/w2/st2/vl1 ...]
         [--out DIR] [--top 25]
+    python -m benchmarks.triton_sass --shape mixed_4x512c2560_60dec4096 [--config bq16/sq4/st3]
 
-The kernel is lowered as `pallas_paged.decode` lowers it for CUDA (an abstract H100-class GPU,
+A decode shape (`benchmarks.shapes`) gives the decode kernel, a ragged one
+(`benchmarks.bench_ragged.SHAPES`) the ragged paged-attention kernel. The kernel is lowered as
+`pallas_paged.decode` or `pallas_paged.paged_attention` lowers it for CUDA (an abstract H100-class GPU,
 as the CPU tests lower it), its Triton IR is taken from that lowering, and the Triton compiler of
 the ``triton`` package (``pip install triton==3.6.0``, the version on the H200 machine; not a
 dependency of the project) compiles it for sm_90; its ``cuobjdump`` gives registers and SASS. On
@@ -14,17 +17,19 @@ prediction to check with Nsight Compute there (for the fp8 kernel of 2026-12-01 
 registers here, 255 there, one ``LDS.U8`` per V byte in both).
 
 ``--config``: parts of `benchmarks.bench.config_label`'s form (``bk<int>/s<int>/w<int>/st<int>``,
-``vl1`` for `DecodeConfig.fp8_v_at_load`), any subset, over the config ``decode`` picks for the
-shape on an NVIDIA H200; repeatable (one summary line per config). ``--out``: keep
+``vl1`` for `DecodeConfig.fp8_v_at_load`; for ragged shapes `benchmarks.bench_ragged`'s, with
+``bq``, ``sq``), any subset, over the config the kernel picks for the shape on an NVIDIA H200;
+repeatable (one summary line per config). ``--out``: keep
 ``kernel.ttir``, ``.ttgir``, ``.ptx``, ``.cubin`` and ``.sass`` there (one config).
 
-The summary (`pipeline_summary`): the tile loop's instructions per warp; the K/V ring's depth,
-the leading dimension of the shared-memory buffers Triton's pipeliner allocates for the K and V
-tiles (`ring_depth_in_ttgir`; `pallas_paged.decode_attention.pallas_triton.kv_ring_depth` is
-the model it checks: ``num_stages`` 2 to 4 give one buffer, 5 and 6 two); the programs
-one multiprocessor holds (`programs_per_sm`: registers, shared memory, warps, blocks of sm_90)
-and the K/V bytes in flight per multiprocessor at most (resident programs x ring depth x tile
-bytes), the quantity Little's law ties to bandwidth.
+The summary (`pipeline_summary`): the longest loop's instructions per warp (decode: the tile
+loop); the K/V rings' depths, the leading dimension of the shared-memory buffers Triton's
+pipeliner allocates for the K and V tiles (`ring_depths_in_ttgir`; the ragged kernel has one
+pair per tile loop; for decode `pallas_paged.decode_attention.pallas_triton.kv_ring_depth` is
+the model it checks: ``num_stages`` 2 to 4 give one buffer, 5 and 6 two); the programs one
+multiprocessor holds (`programs_per_sm`: registers, shared memory, warps, blocks of sm_90); for
+decode also the grid's waves and the K/V bytes in flight per multiprocessor at most (resident
+programs x ring depth x tile bytes), the quantity Little's law ties to bandwidth.
 """
 
 from __future__ import annotations
@@ -43,11 +48,14 @@ import jax
 import jax.numpy as jnp
 
 import pallas_paged as pp
+from benchmarks import bench_ragged
 from benchmarks.bench import abstract_args, config_label, parse_config_label
 from benchmarks.shapes import shape_by_name
 from pallas_paged.decode_attention import configs
 from pallas_paged.decode_attention.api import decode_shape
 from pallas_paged.decode_attention.pallas_triton import kv_ring_depth
+from pallas_paged.ragged_attention import configs as ragged_configs
+from pallas_paged.ragged_attention.api import attention_shape
 
 CONFIG_PARTS = {"bk": "block_k", "s": "num_splits", "w": "num_warps", "st": "num_stages",
                 "vl": "fp8_v_at_load"}
@@ -63,8 +71,16 @@ SM90_REGISTERS, SM90_SHARED_BYTES, SM90_WARPS, SM90_BLOCKS = 65536, 233472, 64, 
 SM90_BLOCK_RESERVED_SHARED, SM90_REGISTER_UNIT = 1024, 256
 
 
-def parse_config(label: str) -> dict:
-    """``"bk32/w2/vl1"`` -> ``{"block_k": 32, "num_warps": 2, "fp8_v_at_load": True}``."""
+def ragged_shape(shape_name: str):
+    """The `benchmarks.bench_ragged` shape of that name, or None for a decode shape."""
+    return {shape.name: shape for shape in bench_ragged.SHAPES}.get(shape_name)
+
+
+def parse_config(label: str, shape_name: str | None = None) -> dict:
+    """``"bk32/w2/vl1"`` -> ``{"block_k": 32, "num_warps": 2, "fp8_v_at_load": True}`` (for a
+    ragged shape, `benchmarks.bench_ragged.parse_config`'s fields)."""
+    if shape_name is not None and ragged_shape(shape_name) is not None:
+        return bench_ragged.parse_config(label)
     values = parse_config_label(label, CONFIG_PARTS)
     if "fp8_v_at_load" in values:
         if values["fp8_v_at_load"] not in (0, 1):
@@ -73,29 +89,58 @@ def parse_config(label: str) -> dict:
     return values
 
 
-def kernel_config(shape_name: str, overrides: dict) -> pp.DecodeConfig:
-    """The config ``decode`` picks for the shape on `TARGET_DEVICE`, with ``overrides``."""
+def _ragged_args(shape) -> tuple:
+    """``(q, k_cache, block_tables, context_lens, query_start_loc)`` of a ragged shape as
+    `jax.ShapeDtypeStruct` s, one cache block per page the sequences hold."""
+    q_lens, lens = shape.lengths()
+    pages = -(-lens // shape.block_size)
+    q = jax.ShapeDtypeStruct((int(q_lens.sum()), shape.num_heads, shape.head_dim), shape.dtype)
+    cache = jax.ShapeDtypeStruct((int(pages.sum()), shape.block_size, shape.num_kv_heads,
+                                  shape.head_dim), shape.dtype)
+    i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)  # noqa: E731
+    return q, cache, i32(len(lens), int(pages.max())), i32(len(lens)), i32(len(lens) + 1)
+
+
+def kernel_config(shape_name: str, overrides: dict):
+    """The config the kernel picks for the shape on `TARGET_DEVICE`, with ``overrides``: a
+    `pallas_paged.DecodeConfig`, or an `pallas_paged.AttentionConfig` for a ragged shape."""
+    ragged = ragged_shape(shape_name)
+    if ragged is not None:
+        q, cache, tables, _, _ = _ragged_args(ragged)
+        base = ragged_configs.lookup(attention_shape(q, cache, tables), *TARGET_DEVICE)
+        return dataclasses.replace(base, **overrides)
     shape = shape_by_name(shape_name)
     q, cache, tables = abstract_args(shape)
     return dataclasses.replace(configs.lookup(decode_shape(q, cache, tables), *TARGET_DEVICE),
                                **overrides)
 
 
-def triton_ir(shape_name: str, config: pp.DecodeConfig) -> str:
-    """The Triton IR (text) of the decode kernel that ``decode(..., impl="pallas")`` lowers to
-    for the named shape and ``config``, lowered for CUDA without a GPU."""
+def triton_ir(shape_name: str, config) -> str:
+    """The Triton IR (text) of the kernel that ``decode(..., impl="pallas")`` (or, for a ragged
+    shape, ``paged_attention``) lowers to for the named shape and ``config``, lowered for CUDA
+    without a GPU."""
     from jax._src.pallas.triton import pallas_call_registration as registration
     from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-    shape = shape_by_name(shape_name)
-    q, one_block, tables = abstract_args(shape)
-    # As many blocks as the tables can name: with one, the clamped block ids would be constants.
-    cache = jax.ShapeDtypeStruct((shape.batch * shape.max_blocks,) + one_block.shape[1:],
-                                 one_block.dtype)
-    lens = jax.ShapeDtypeStruct((shape.batch,), jnp.int32)
-    k_scale, v_scale = shape.scales
-    fn = functools.partial(pp.decode, impl="pallas", interpret=False, config=config,
-                           k_scale=k_scale, v_scale=v_scale, sliding_window=shape.sliding_window)
+    ragged = ragged_shape(shape_name)
+    if ragged is not None:
+        args = _ragged_args(ragged)
+        q, cache, tables, lens, starts = args
+        fn = functools.partial(pp.paged_attention, impl="pallas", interpret=False,
+                               config=config)
+        args, prefix = (q, cache, cache, tables, lens, starts), "pallas_paged_ragged"
+    else:
+        shape = shape_by_name(shape_name)
+        q, one_block, tables = abstract_args(shape)
+        # As many blocks as the tables can name: with one, the clamped ids would be constants.
+        cache = jax.ShapeDtypeStruct((shape.batch * shape.max_blocks,) + one_block.shape[1:],
+                                     one_block.dtype)
+        lens = jax.ShapeDtypeStruct((shape.batch,), jnp.int32)
+        k_scale, v_scale = shape.scales
+        fn = functools.partial(pp.decode, impl="pallas", interpret=False, config=config,
+                               k_scale=k_scale, v_scale=v_scale,
+                               sliding_window=shape.sliding_window)
+        args, prefix = (q, cache, cache, tables, lens), "pallas_paged_decode"
     modules = []
     lower = registration.lowering.lower_jaxpr_to_triton_module
 
@@ -107,22 +152,23 @@ def triton_ir(shape_name: str, config: pp.DecodeConfig) -> str:
     registration.lowering.lower_jaxpr_to_triton_module = capture
     try:
         with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=gpu)):
-            jax.jit(fn).trace(q, cache, cache, tables, lens).lower(lowering_platforms=("cuda",))
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         registration.lowering.lower_jaxpr_to_triton_module = lower
-    decode_modules = [m for m in modules if "pallas_paged_decode" in m.split("\n", 1)[0]]
-    if not decode_modules:
-        raise RuntimeError(f"no decode kernel in the lowering of {shape_name} ({config})")
-    return decode_modules[0]
+    kernels = [m for m in modules if prefix in m.split("\n", 1)[0]]
+    if not kernels:
+        raise RuntimeError(f"no {prefix} kernel in the lowering of {shape_name} ({config})")
+    return kernels[0]
 
 
-def compile_sass(ir_text: str, config: pp.DecodeConfig, out_dir: str) -> dict:
-    """Compile ``ir_text`` with the ``triton`` package for sm_90.
+def compile_sass(ir_text: str, config, out_dir: str) -> dict:
+    """Compile ``ir_text`` with the ``triton`` package for sm_90 (``config``: its
+    ``num_warps``, ``num_stages`` and ``block_k``).
 
     Returns:
       ``{"registers": int, "shared_bytes": int, "opcodes": Counter, "loop_instructions": int,
-      "kv_ring_depth": int}`` (opcodes: static instruction counts over the whole kernel; see
-      `loop_instructions`, `ring_depth_in_ttgir`), the files written under ``out_dir``.
+      "ring_depths": list[int]}`` (opcodes: static instruction counts over the whole kernel; see
+      `loop_instructions`, `ring_depths_in_ttgir`), the files written under ``out_dir``.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -152,12 +198,13 @@ def compile_sass(ir_text: str, config: pp.DecodeConfig, out_dir: str) -> dict:
             "opcodes": collections.Counter(m.group(1) for line in sass.splitlines()
                                            if (m := _SASS_LINE.match(line))),
             "loop_instructions": loop_instructions(sass),
-            "kv_ring_depth": ring_depth_in_ttgir(kernel.asm["ttgir"], config.block_k)}
+            "ring_depths": ring_depths_in_ttgir(kernel.asm["ttgir"], config.block_k)}
 
 
 def loop_instructions(sass: str) -> int:
     """Instructions in the longest loop of the SASS (the span of its longest backward branch):
-    the decode kernel's tile loop, per warp and per tile."""
+    the decode kernel's tile loop, per warp and per tile (the ragged kernel's longest tile
+    loop)."""
     instructions = [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines()
                     if (m := _SASS_INSTRUCTION.match(line))]
     longest = 0
@@ -169,13 +216,12 @@ def loop_instructions(sass: str) -> int:
     return longest
 
 
-def ring_depth_in_ttgir(ttgir: str, block_k: int) -> int:
-    """Buffers of the K/V tile rings that Triton's pipeliner allocated in the compiled kernel:
-    the leading dimension of its ``[depth, block_k, cols]`` shared-memory allocations (the
-    shallower of K's and V's; 0 when the tiles are not pipelined)."""
-    depths = [int(m.group(1)) for m in _TILE_RING.finditer(ttgir)
-              if int(m.group(2)) == block_k and m.group(4) != "i32"]
-    return min(depths, default=0)
+def ring_depths_in_ttgir(ttgir: str, block_k: int) -> list[int]:
+    """Buffers of each K/V tile ring that Triton's pipeliner allocated in the compiled kernel, in
+    allocation order: the leading dimension of its ``[depth, block_k, cols]`` shared-memory
+    allocations (K and V of each pipelined tile loop; empty when no tile is pipelined)."""
+    return [int(m.group(1)) for m in _TILE_RING.finditer(ttgir)
+            if int(m.group(2)) == block_k and m.group(4) != "i32"]
 
 
 def programs_per_sm(registers: int, shared_bytes: int, num_warps: int) -> tuple[int, str]:
@@ -191,21 +237,30 @@ def programs_per_sm(registers: int, shared_bytes: int, num_warps: int) -> tuple[
     return limits[limit], limit
 
 
-def pipeline_summary(shape_name: str, config: pp.DecodeConfig, result: dict) -> str:
-    """One line: the tile loop, the K/V ring, residency and the bytes in flight (see the module
-    docstring), from `compile_sass`'s ``result``."""
+def pipeline_summary(shape_name: str, config, result: dict) -> str:
+    """One line: the tile loop, the K/V rings, residency and, for decode, the waves and the
+    bytes in flight (see the module docstring), from `compile_sass`'s ``result``."""
+    loop, depths = result["loop_instructions"], result["ring_depths"]
+    per_sm, limit = programs_per_sm(result["registers"], result["shared_bytes"], config.num_warps)
+    spills = sum(count for op, count in result.get("opcodes", {}).items()
+                 if op.startswith(("LDL", "STL")))
+    head = (f"{result['registers']} regs, {result['shared_bytes']} B smem"
+            + (f", {spills} local-memory (spill) instructions" if spills else "")
+            + f"; tile loop {loop} instrs/warp"
+            f" ({loop * config.num_warps / config.block_k:.1f} per token)")
+    if ragged_shape(shape_name) is not None:
+        rings = ", ".join(f"{depth} deep x{count}"
+                          for depth, count in sorted(collections.Counter(depths).items()))
+        return (f"{bench_ragged.config_label(config).replace(' ', '/')}: {head}; K/V rings"
+                f" {rings or 'none'}; {per_sm} programs/SM (by {limit})")
     shape = shape_by_name(shape_name)
     sms = TARGET_DEVICE[1]
-    loop, depth = result["loop_instructions"], result["kv_ring_depth"]
-    model = kv_ring_depth(config.num_stages)
-    per_sm, limit = programs_per_sm(result["registers"], result["shared_bytes"], config.num_warps)
+    depth, model = min(depths, default=0), kv_ring_depth(config.num_stages)
     grid = shape.batch * shape.num_kv_heads * config.num_splits
     resident = min(per_sm, grid / sms)
     tile_bytes = 2 * config.block_k * shape.head_dim * shape.cache_itemsize
     in_flight = resident * max(depth, 1) * tile_bytes
-    return (f"{config_label(config)}: {result['registers']} regs, {result['shared_bytes']} B smem;"
-            f" tile loop {loop} instrs/warp ({loop * config.num_warps / config.block_k:.1f} per"
-            f" token); K/V ring {depth} deep"
+    return (f"{config_label(config)}: {head}; K/V ring {depth} deep"
             + ("" if depth == model else f" (kv_ring_depth says {model})")
             + f"; {per_sm} programs/SM (by {limit}), grid {grid} ="
             f" {grid / (per_sm * sms):.2f} waves; K/V in flight <= {in_flight / 1024:.0f}"
@@ -214,9 +269,12 @@ def pipeline_summary(shape_name: str, config: pp.DecodeConfig, result: dict) -> 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", required=True, help="a decode shape of benchmarks.shapes")
-    parser.add_argument("--config", type=parse_config, action="append",
-                        help="bk<int>/s<int>/w<int>/st<int>/vl<0|1>, any subset; repeatable")
+    parser.add_argument("--shape", required=True,
+                        help="a decode shape of benchmarks.shapes or a ragged one of"
+                             " benchmarks.bench_ragged")
+    parser.add_argument("--config", action="append",
+                        help="bk<int>/s<int>/w<int>/st<int>/vl<0|1> (ragged: also bq, sq), any"
+                             " subset; repeatable")
     parser.add_argument("--out", default=None, help="keep the IR, PTX, cubin and SASS here")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args(argv)
@@ -225,17 +283,22 @@ def main(argv=None) -> int:
     except ImportError:
         print("error: needs the triton package (pip install triton==3.6.0)", file=sys.stderr)
         return 2
-    labels = args.config or [{}]
+    labels = args.config or [""]
     if args.out and len(labels) > 1:
         parser.error("--out keeps the files of one config")
-    for overrides in labels:
-        config = kernel_config(args.shape, overrides)
-        out_dir = args.out or tempfile.mkdtemp(prefix="triton_sass_")
-        os.makedirs(out_dir, exist_ok=True)
-        result = compile_sass(triton_ir(args.shape, config), config, out_dir)
+    try:
+        overrides = [parse_config(label, args.shape) if label else {} for label in labels]
+    except ValueError as e:
+        parser.error(str(e))
+    for fields in overrides:
+        config = kernel_config(args.shape, fields)
+        with tempfile.TemporaryDirectory(prefix="triton_sass_") as scratch:
+            out_dir = args.out or scratch
+            os.makedirs(out_dir, exist_ok=True)
+            result = compile_sass(triton_ir(args.shape, config), config, out_dir)
         opcodes = result["opcodes"]
-        print(f"{args.shape} {config}: {sum(opcodes.values())} static instructions (files in"
-              f" {out_dir})")
+        print(f"{args.shape} {config}: {sum(opcodes.values())} static instructions"
+              + (f" (files in {args.out})" if args.out else ""))
         print(f"  {pipeline_summary(args.shape, config, result)}", flush=True)
         for op, count in opcodes.most_common(args.top):
             print(f"{count:7d}  {op}")

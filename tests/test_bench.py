@@ -24,6 +24,7 @@ import pytest
 from benchmarks import bench, bench_mosaic, bench_ragged
 from pallas_paged.decode_attention import mosaic_gpu
 from pallas_paged.decode_attention.configs import DecodeConfig
+from pallas_paged.ragged_attention.configs import AttentionConfig
 from pallas_paged.decode_attention.pallas_triton import kv_ring_depth
 from benchmarks.shapes import (ALL_SHAPES, BENCH_SHAPES, EXTENSION_SHAPES, SMALL_SHAPES,
                                  DecodeBenchShape, make_block_tables, make_decode_inputs,
@@ -758,8 +759,8 @@ def test_triton_sass_reads_the_tile_loop_the_rings_and_the_residency():
     from benchmarks import triton_sass
 
     assert triton_sass.loop_instructions(_SASS_WITH_A_LOOP) == 4  # 0x20 .. 0x50
-    assert triton_sass.ring_depth_in_ttgir(_TTGIR_RINGS, block_k=32) == 2
-    assert triton_sass.ring_depth_in_ttgir(_TTGIR_RINGS, block_k=64) == 0
+    assert triton_sass.ring_depths_in_ttgir(_TTGIR_RINGS, block_k=32) == [2, 2]
+    assert triton_sass.ring_depths_in_ttgir(_TTGIR_RINGS, block_k=64) == []
     assert triton_sass.programs_per_sm(128, 21504, 2) == (8, "registers")
     assert triton_sass.programs_per_sm(109, 55808, 4) == (4, "registers")
     assert triton_sass.programs_per_sm(168, 55808, 2) == (4, "shared memory")
@@ -768,14 +769,36 @@ def test_triton_sass_reads_the_tile_loop_the_rings_and_the_residency():
     config = DecodeConfig(block_k=32, num_splits=4, num_warps=2, num_stages=5,
                           fp8_v_at_load=True)
     line = triton_sass.pipeline_summary("fp8_b32_ctx4096", config, dict(
-        registers=128, shared_bytes=29952, loop_instructions=567, kv_ring_depth=2))
+        registers=128, shared_bytes=29952, loop_instructions=567, ring_depths=[2, 2]))
     assert line.startswith("bk32/s4/w2/st5/vl1: 128 regs, 29952 B smem; tile loop 567")
     # 1024 programs, 7 per multiprocessor (shared memory): 7 x 2 tiles x 8 KiB
     assert "K/V ring 2 deep; 7 programs/SM (by shared memory), grid 1024 = 1.11 waves" in line
     assert line.endswith("K/V in flight <= 112 KiB/SM")
     wrong = triton_sass.pipeline_summary("fp8_b32_ctx4096", config, dict(
-        registers=128, shared_bytes=29952, loop_instructions=567, kv_ring_depth=1))
+        registers=128, shared_bytes=29952, loop_instructions=567, ring_depths=[1, 2],
+        opcodes={"STL.64": 3, "LDL": 2, "HMMA.16816.F32": 32}))
     assert "(kv_ring_depth says 2)" in wrong
+    assert "29952 B smem, 5 local-memory (spill) instructions; tile loop" in wrong
+    ragged = AttentionConfig(block_q=16, short_block_q=4, block_k=64, num_stages=3)
+    line = triton_sass.pipeline_summary("mixed_4x512c2560_60dec4096", ragged, dict(
+        registers=255, shared_bytes=82944, loop_instructions=1017, ring_depths=[1, 1, 2, 1]))
+    assert line == ("bq16/sq4/bk64/s1/w4/st3: 255 regs, 82944 B smem; tile loop 1017"
+                    " instrs/warp (63.6 per token); K/V rings 1 deep x3, 2 deep x1; 2"
+                    " programs/SM (by registers)")
+
+
+def test_triton_sass_lowers_the_ragged_kernel_of_a_ragged_shape():
+    """A ragged shape's name gives the ragged kernel, configured from its own labels."""
+    from benchmarks import triton_sass
+
+    fields = triton_sass.parse_config("bq16/sq4/st5", "mixed_4x512c2560_60dec4096")
+    assert fields == dict(block_q=16, short_block_q=4, num_stages=5)
+    config = triton_sass.kernel_config("mixed_4x512c2560_60dec4096", fields)
+    assert isinstance(config, AttentionConfig) and config.num_stages == 5
+    head = triton_sass.triton_ir("mixed_4x512c2560_60dec4096", config).split("\n", 1)[0]
+    assert "pallas_paged_ragged_bq16_sq4" in head
+    with pytest.raises(ValueError):
+        triton_sass.parse_config("vl1", "mixed_4x512c2560_60dec4096")
 
 
 def test_triton_sass_takes_the_decode_kernel_of_the_named_shape():
@@ -798,9 +821,9 @@ def test_triton_sass_takes_the_decode_kernel_of_the_named_shape():
     result = triton_sass.compile_sass(ir_text, config, tempfile.mkdtemp())
     assert result["registers"] and result["opcodes"]["HMMA.16816.F32"] > 0
     assert "LDS.U8" not in result["opcodes"]
-    assert result["kv_ring_depth"] == kv_ring_depth(config.num_stages)
+    assert set(result["ring_depths"]) == {kv_ring_depth(config.num_stages)}
     assert result["loop_instructions"] > 0
     deeper = dataclasses.replace(config, num_stages=5)
     result = triton_sass.compile_sass(triton_sass.triton_ir("fp8_b32_ctx4096", deeper), deeper,
                                       tempfile.mkdtemp())
-    assert result["kv_ring_depth"] == kv_ring_depth(5) == 2
+    assert result["ring_depths"] == [kv_ring_depth(5)] * 2 == [2, 2]
