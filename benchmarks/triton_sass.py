@@ -167,8 +167,9 @@ def compile_sass(ir_text: str, config, out_dir: str) -> dict:
 
     Returns:
       ``{"registers": int, "shared_bytes": int, "opcodes": Counter, "loop_instructions": int,
-      "ring_depths": list[int]}`` (opcodes: static instruction counts over the whole kernel; see
-      `loop_instructions`, `ring_depths_in_ttgir`), the files written under ``out_dir``.
+      "copies_left_in_flight": int | None, "ring_depths": list[int]}`` (opcodes: static
+      instruction counts over the whole kernel; see `loop_instructions`,
+      `copies_left_in_flight`, `ring_depths_in_ttgir`), the files written under ``out_dir``.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -198,22 +199,40 @@ def compile_sass(ir_text: str, config, out_dir: str) -> dict:
             "opcodes": collections.Counter(m.group(1) for line in sass.splitlines()
                                            if (m := _SASS_LINE.match(line))),
             "loop_instructions": loop_instructions(sass),
+            "copies_left_in_flight": copies_left_in_flight(sass),
             "ring_depths": ring_depths_in_ttgir(kernel.asm["ttgir"], config.block_k)}
 
 
-def loop_instructions(sass: str) -> int:
-    """Instructions in the longest loop of the SASS (the span of its longest backward branch):
-    the decode kernel's tile loop, per warp and per tile (the ragged kernel's longest tile
-    loop)."""
+def _longest_loop(sass: str) -> list[str]:
+    """The instructions (text) of the longest loop of the SASS: the span of its longest
+    backward branch."""
     instructions = [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines()
                     if (m := _SASS_INSTRUCTION.match(line))]
-    longest = 0
+    longest = []
     for address, text in instructions:
         target = _BRANCH_TARGET.search(text)
         if target and int(target.group(1), 16) < address:
             start = int(target.group(1), 16)
-            longest = max(longest, sum(start <= a <= address for a, _ in instructions))
+            body = [t for a, t in instructions if start <= a <= address]
+            longest = body if len(body) > len(longest) else longest
     return longest
+
+
+def loop_instructions(sass: str) -> int:
+    """Instructions in the longest loop of the SASS: the decode kernel's tile loop, per warp and
+    per tile (the ragged kernel's longest tile loop)."""
+    return len(_longest_loop(sass))
+
+
+def copies_left_in_flight(sass: str) -> int | None:
+    """How many groups of asynchronous copies the tile loop's first wait leaves outstanding
+    (``DEPBAR.LE SB0, n``): 0 means the loop waits for every copy it issued, so a tile's loads
+    never overlap the tile before it; None without such a wait."""
+    for text in _longest_loop(sass):
+        match = re.search(r"DEPBAR\.LE\s+SB0,\s*(0x[0-9a-f]+|\d+)", text)
+        if match:
+            return int(match.group(1), 0)
+    return None
 
 
 def ring_depths_in_ttgir(ttgir: str, block_k: int) -> list[int]:
@@ -248,6 +267,8 @@ def pipeline_summary(shape_name: str, config, result: dict) -> str:
             + (f", {spills} local-memory (spill) instructions" if spills else "")
             + f"; tile loop {loop} instrs/warp"
             f" ({loop * config.num_warps / config.block_k:.1f} per token)")
+    if result.get("copies_left_in_flight") is not None:
+        head += f", its wait leaves {result['copies_left_in_flight']} copy groups in flight"
     if ragged_shape(shape_name) is not None:
         rings = ", ".join(f"{depth} deep x{count}"
                           for depth, count in sorted(collections.Counter(depths).items()))

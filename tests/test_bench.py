@@ -738,7 +738,7 @@ _SASS_WITH_A_LOOP = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
         /*0010*/                   S2R R0, SR_TID.X ;
         /*0020*/                   HMMA.16816.F32 R4, R8, R12, RZ ;
-        /*0030*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0030*/                   DEPBAR.LE SB0, 0x1 ;
         /*0040*/                   ISETP.NE.AND P0, PT, R2, R3, PT ;
         /*0050*/               @P0 BRA 0x20 ;
         /*0060*/                   EXIT ;
@@ -759,6 +759,9 @@ def test_triton_sass_reads_the_tile_loop_the_rings_and_the_residency():
     from benchmarks import triton_sass
 
     assert triton_sass.loop_instructions(_SASS_WITH_A_LOOP) == 4  # 0x20 .. 0x50
+    assert triton_sass.copies_left_in_flight(_SASS_WITH_A_LOOP) == 1
+    assert triton_sass.copies_left_in_flight(_SASS_WITH_A_LOOP.replace("DEPBAR.LE SB0, 0x1",
+                                                                       "NOP")) is None
     assert triton_sass.ring_depths_in_ttgir(_TTGIR_RINGS, block_k=32) == [2, 2]
     assert triton_sass.ring_depths_in_ttgir(_TTGIR_RINGS, block_k=64) == []
     assert triton_sass.programs_per_sm(128, 21504, 2) == (8, "registers")
@@ -769,8 +772,11 @@ def test_triton_sass_reads_the_tile_loop_the_rings_and_the_residency():
     config = DecodeConfig(block_k=32, num_splits=4, num_warps=2, num_stages=5,
                           fp8_v_at_load=True)
     line = triton_sass.pipeline_summary("fp8_b32_ctx4096", config, dict(
-        registers=128, shared_bytes=29952, loop_instructions=567, ring_depths=[2, 2]))
-    assert line.startswith("bk32/s4/w2/st5/vl1: 128 regs, 29952 B smem; tile loop 567")
+        registers=128, shared_bytes=29952, loop_instructions=567, ring_depths=[2, 2],
+        copies_left_in_flight=3))
+    assert line.startswith("bk32/s4/w2/st5/vl1: 128 regs, 29952 B smem; tile loop 567"
+                           " instrs/warp (35.4 per token), its wait leaves 3 copy groups in"
+                           " flight; K/V ring 2 deep")
     # 1024 programs, 7 per multiprocessor (shared memory): 7 x 2 tiles x 8 KiB
     assert "K/V ring 2 deep; 7 programs/SM (by shared memory), grid 1024 = 1.11 waves" in line
     assert line.endswith("K/V in flight <= 112 KiB/SM")
@@ -822,8 +828,10 @@ def test_triton_sass_takes_the_decode_kernel_of_the_named_shape():
     assert result["registers"] and result["opcodes"]["HMMA.16816.F32"] > 0
     assert "LDS.U8" not in result["opcodes"]
     assert set(result["ring_depths"]) == {kv_ring_depth(config.num_stages)}
+    assert result["copies_left_in_flight"] == 0  # one tile deep: waits for all its copies
     assert result["loop_instructions"] > 0
     deeper = dataclasses.replace(config, num_stages=5)
     result = triton_sass.compile_sass(triton_sass.triton_ir("fp8_b32_ctx4096", deeper), deeper,
                                       tempfile.mkdtemp())
     assert result["ring_depths"] == [kv_ring_depth(5)] * 2 == [2, 2]
+    assert result["copies_left_in_flight"] > 0  # the next tile's copies stay in flight
