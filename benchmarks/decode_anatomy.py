@@ -78,7 +78,7 @@ def config_variants(default: pp.DecodeConfig, fp8: bool, pairs: int) -> list:
     multiprocessor (``512 / pairs``; twice that for 32-token tiles), 64- and 128-token tiles,
     the V tile converted at load; for 16-bit caches the default with 5 stages, with half its
     splits (as many tiles in flight from half the programs, and half the partial results to
-    merge), and with half its tile. Then, for fp8, the entry before the current one (128-token tiles, one split, 4
+    merge; also merged in the kernel), and with half its tile. Then, for fp8, the entry before the current one (128-token tiles, one split, 4
     warps), small tiles of 1-2 warps with ``fp8_v_at_load`` (the fastest kind on the H200,
     2026-12-01), then 64-, 128- and 32-token tiles of 4 or 8 warps with more splits; for 16-bit
     caches split counts and tiles around the default, 8 warps, 3 stages.
@@ -108,9 +108,11 @@ def config_variants(default: pp.DecodeConfig, fp8: bool, pairs: int) -> list:
                 pp.DecodeConfig(block_k=32, num_splits=splits(2048), num_stages=3)]
     else:
         half = max(16, default.block_k // 2)
+        fewer = max(1, default.num_splits // 2)
         out += [dataclasses.replace(default, num_stages=5),
-                dataclasses.replace(default, num_splits=max(1, default.num_splits // 2),
-                                    num_stages=5),
+                dataclasses.replace(default, num_splits=fewer, num_stages=5),
+                dataclasses.replace(default, num_splits=fewer, num_stages=5,
+                                    merge_in_kernel=fewer > 1),
                 dataclasses.replace(default, block_k=half, num_stages=5),
                 dataclasses.replace(default, block_k=half, num_warps=2, num_stages=5)]
         for n_splits in sorted({max(1, default.num_splits // 2), default.num_splits,
