@@ -101,7 +101,9 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
     """A reasonable config for any shape: the fallback of the tuned table."""
     itemsize = jnp.dtype(shape.cache_dtype).itemsize
     padded_dim = next_power_of_2(shape.head_dim)
-    # Keep one K tile plus one V tile at about 32 KiB so several stages fit in shared memory.
+    # One K tile plus one V tile of about 32 KiB: with num_stages=2 the only pair in flight per
+    # program (a K/V ring one tile deep, `pallas_triton.kv_ring_depth`), so several programs
+    # share a multiprocessor.
     block_k = max(16, min(128, (16 * 1024) // (padded_dim * itemsize)))
     block_k = min(block_k, max(16, next_power_of_2(shape.capacity)))
     return DecodeConfig(
