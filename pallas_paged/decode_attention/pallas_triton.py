@@ -147,11 +147,12 @@ def kv_ring_depth(num_stages: int) -> int:
     """K (and V) tiles of one program in shared memory at once when Triton pipelines the tile
     loop with ``num_stages``: the loop's K/V loads are issued that many tiles ahead.
 
-    Triton's pipeliner (its latency assignment, Triton 3.x) gives each load of a chain feeding a
-    dot ``(num_stages - 1) // (levels + 1)`` stages of lead, where ``levels`` counts the loads the
-    chain goes through: here the block ids of a tile are one load, and the K/V rows they address
-    another. With ``num_stages = 2`` the table load is not pipelined and the K/V loads lead by
-    one tile; from 3 the table load is pipelined too and the two share the stages, so 2, 3 and 4
+    Triton's pipeliner (its latency assignment, Triton 3.x) gives each load of a chain of
+    dependent loads feeding a dot ``(num_stages - 1) // (loads in the chain)`` stages of lead;
+    here the chain is two loads, a tile's block ids from the table, then the K/V rows they
+    address. With ``num_stages = 2`` the table load is left out (no stage is left for it) and the
+    K/V loads lead by one tile; from 3 the table load is pipelined too and the two share the
+    stages, so 2, 3 and 4
     all keep **one** K/V tile in flight per program (issued after the tile before was consumed,
     so a program's copies do not overlap its own dots), 5 and 6 two, 7 and 8 three. 1: no
     pipelining (0). Checked against the compiled kernel on the CPU by
