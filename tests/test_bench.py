@@ -807,6 +807,25 @@ def test_triton_sass_lowers_the_ragged_kernel_of_a_ragged_shape():
         triton_sass.parse_config("vl1", "mixed_4x512c2560_60dec4096")
 
 
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4, 5, 7])
+def test_kv_ring_depth_is_what_triton_compiles(num_stages):
+    """The rule of `kv_ring_depth` against the compiled bf16 decode kernel: the depth of its K
+    and V rings in the Triton GPU IR, and whether the tile loop's wait leaves copies in flight
+    (only with a ring two or more deep)."""
+    pytest.importorskip("triton")
+    import tempfile
+    from benchmarks import triton_sass
+
+    config = triton_sass.kernel_config("b32_ctx4096", {"num_stages": num_stages})
+    with tempfile.TemporaryDirectory() as out:
+        result = triton_sass.compile_sass(triton_sass.triton_ir("b32_ctx4096", config), config,
+                                          out)
+    depth = kv_ring_depth(num_stages)
+    assert result["ring_depths"] == ([depth] * 2 if depth else [])
+    if depth:
+        assert (result["copies_left_in_flight"] > 0) == (depth > 1)
+
+
 def test_triton_sass_takes_the_decode_kernel_of_the_named_shape():
     """Lowered for CUDA on the CPU, the IR is the decode kernel of the shape's config (its name
     says the tile, splits and ``fp8_v_at_load``), with both dots; compiled to SASS where the
