@@ -10,8 +10,8 @@ A decode shape (`benchmarks.shapes`) gives the decode kernel, a ragged one
 (`benchmarks.bench_ragged.SHAPES`) the ragged paged-attention kernel. The kernel is lowered as
 `pallas_paged.decode` or `pallas_paged.paged_attention` lowers it for CUDA (an abstract H100-class GPU,
 as the CPU tests lower it), its Triton IR is taken from that lowering, and the Triton compiler of
-the ``triton`` package (3.7.1, installed with the ``test`` extra on Linux x86_64; not a
-dependency of the library) compiles it for sm_90; its ``cuobjdump`` gives registers and SASS. On
+the ``triton`` package (installed with the ``test`` extra on Linux x86_64, not a dependency of
+the library; the figures in docs/BENCHMARKS.md are from 3.7.1) compiles it for sm_90; its ``cuobjdump`` gives registers and SASS. On
 the H200 XLA compiles the same IR with its own build of Triton, so the counts here are a
 prediction to check with Nsight Compute there (for the fp8 kernel of 2026-12-01 they agreed: 254
 registers here, 255 there, one ``LDS.U8`` per V byte in both).
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
     try:
         import triton  # noqa: F401 - only to fail early with a clear message
     except ImportError:
-        print("error: needs the triton package (pip install triton==3.7.1)", file=sys.stderr)
+        print("error: needs the triton package (pip install triton)", file=sys.stderr)
         return 2
     labels = args.config or [""]
     if args.out and len(labels) > 1:
