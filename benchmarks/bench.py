@@ -149,10 +149,11 @@ def smoke_settings(base: Settings) -> Settings:
 # Helpers (the timer and the copy bandwidth are `benchmarks.timing`'s)
 
 
-def parse_config_label(label: str, fields: dict) -> dict:
+def parse_config_label(label: str, fields: dict, flags: tuple = ()) -> dict:
     """``"bk64/st4"`` -> the config fields its parts name, ``{"block_k": 64, "num_stages": 4}``;
-    ``fields`` maps each part's prefix (``"bk"``) to its field name. ValueError for an unknown or
-    repeated part (argparse's ``type=`` turns it into a usage error)."""
+    ``fields`` maps each part's prefix (``"bk"``) to its field name; the fields named in
+    ``flags`` are bools written 0 or 1 (``"vl1"`` -> True). ValueError for an unknown or repeated
+    part, or a flag of another value (argparse's ``type=`` turns it into a usage error)."""
     values = {}
     for part in label.split("/"):
         key = part.rstrip("0123456789")
@@ -160,7 +161,12 @@ def parse_config_label(label: str, fields: dict) -> dict:
             prefixes = ", ".join(f"{k}<int>" for k in fields)
             raise ValueError(f"config {label!r}: expected distinct parts among {prefixes},"
                              f" got {part!r}")
-        values[fields[key]] = int(part[len(key):])
+        value = int(part[len(key):])
+        if fields[key] in flags:
+            if value not in (0, 1):
+                raise ValueError(f"config {label!r}: {key} takes 0 or 1")
+            value = bool(value)
+        values[fields[key]] = value
     return values
 
 
@@ -291,7 +297,8 @@ def _decode_fn(impl, *, config=None, k_scale=None, v_scale=None, window=None, in
 
 def config_label(c: DecodeConfig | MosaicDecodeConfig) -> str:
     if isinstance(c, MosaicDecodeConfig):
-        return f"bk{c.block_k}/s{c.num_splits}/st{c.num_stages}/c{c.num_consumers}"
+        return (f"bk{c.block_k}/s{c.num_splits}/st{c.num_stages}/c{c.num_consumers}"
+                + ("/qn1" if c.queries_in_n else ""))
     return (f"bk{c.block_k}/s{c.num_splits}/w{c.num_warps}/st{c.num_stages}"
             + ("/vl1" if c.fp8_v_at_load else ""))
 

@@ -14,10 +14,10 @@ permutations from `benchmarks.shapes`), in one process:
    fraction of the device-to-device copy bandwidth measured at the start of the same run
    (`benchmarks.bench.measure_copy_bandwidth`).
 
-``--configs`` also times a few `MosaicDecodeConfig` candidates per shape (splits and stages around
-the heuristic), to fill `configs.MOSAIC_TUNED`; ``--config bk64/st4/c2`` (repeatable; any of
-block_k, splits, stages, consumers, as the rows print them) also times, on every shape, the
-heuristic's config with the named fields replaced. ``--probe-producer`` also times each Mosaic
+``--configs`` also times a few `MosaicDecodeConfig` candidates per shape (the queries in N, splits
+and stages around the heuristic), to fill `configs.MOSAIC_TUNED`; ``--config bk64/st4/c2/qn1``
+(repeatable; any of block_k, splits, stages, consumers, queries_in_n, as the rows print them)
+also times, on every shape, the heuristic's config with the named fields replaced. ``--probe-producer`` also times each Mosaic
 config's producer alone (`decode_mosaic`'s ``producer_only`` probe: not attention, never
 compared); ``--compiler-param approx_math=1`` (repeatable) also times the heuristic's config
 compiled with those Mosaic GPU compiler parameters in place of `mosaic_gpu.COMPILER_PARAMS`.
@@ -79,26 +79,32 @@ def _call(impl, inputs, config, interpret):
 
 
 def candidates(shape, heuristic: MosaicDecodeConfig) -> list[MosaicDecodeConfig]:
-    """Configs around the heuristic that fit in shared memory, two consumer warpgroups first (the
-    most telling: a run may stop early): consumers 2, 1; splits x0.5, x1, x2; stages 2, 4, 6;
-    block_k 64, 128."""
+    """Configs around the heuristic that fit in shared memory, the most telling first (a run may
+    stop early): the queries in wgmma's N (`MosaicDecodeConfig.queries_in_n`: its smaller q, P
+    and partial results leave room for more stages), then in M; consumers 2, 1; splits x0.5, x1,
+    x2; stages 2, 3, 4, 6; block_k 64, 128."""
     out = []
-    for consumers, factor, stages, block_k in itertools.product((2, 1), (0.5, 1, 2), (2, 4, 6),
-                                                                (64, 128)):
+    for queries_in_n, consumers, factor, stages, block_k in itertools.product(
+            (True, False), (2, 1), (0.5, 1, 2), (2, 3, 4, 6), (64, 128)):
         splits = max(1, int(heuristic.num_splits * factor))
+        if stages % consumers:
+            continue
         config = MosaicDecodeConfig(block_k=block_k, num_splits=splits, num_stages=stages,
-                                    num_consumers=consumers)
-        fits = smem_bytes(shape.head_dim, shape.dtype, shape.query_dtype, config) <= MAX_SMEM_BYTES
+                                    num_consumers=consumers, queries_in_n=queries_in_n)
+        fits = smem_bytes(shape.head_dim, shape.dtype, shape.query_dtype, config,
+                          group=shape.group) <= MAX_SMEM_BYTES
         if fits and config not in out and config != heuristic:
             out.append(config)
     return out
 
 
 def parse_config(label: str) -> dict:
-    """``"bk64/st4/c2"`` (parts of `benchmarks.bench.config_label`'s form, any subset) -> the
-    `MosaicDecodeConfig` fields it names, ``{"block_k": 64, "num_stages": 4, ...}``."""
+    """``"bk64/st4/c2"`` (parts of `benchmarks.bench.config_label`'s form, any subset; ``qn1``
+    for `MosaicDecodeConfig.queries_in_n`) -> the `MosaicDecodeConfig` fields it names,
+    ``{"block_k": 64, "num_stages": 4, ...}``."""
     return parse_config_label(label, {"bk": "block_k", "s": "num_splits", "st": "num_stages",
-                                      "c": "num_consumers"})
+                                      "c": "num_consumers", "qn": "queries_in_n"},
+                              flags=("queries_in_n",))
 
 
 def parse_compiler_param(text: str) -> tuple[str, bool | int]:

@@ -81,12 +81,7 @@ def parse_config(label: str, shape_name: str | None = None) -> dict:
     ragged shape, `benchmarks.bench_ragged.parse_config`'s fields)."""
     if shape_name is not None and ragged_shape(shape_name) is not None:
         return bench_ragged.parse_config(label)
-    values = parse_config_label(label, CONFIG_PARTS)
-    if "fp8_v_at_load" in values:
-        if values["fp8_v_at_load"] not in (0, 1):
-            raise ValueError(f"config {label!r}: vl takes 0 or 1")
-        values["fp8_v_at_load"] = bool(values["fp8_v_at_load"])
-    return values
+    return parse_config_label(label, CONFIG_PARTS, flags=("fp8_v_at_load",))
 
 
 def _ragged_args(shape) -> tuple:

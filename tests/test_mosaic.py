@@ -11,6 +11,7 @@ is tested with a patched version number); the tests of ``impl="auto"``'s choice,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -57,6 +58,11 @@ THREE_SPLITS = MosaicDecodeConfig(block_k=64, num_splits=3, num_stages=2)
 TWO_CONSUMERS = MosaicDecodeConfig(block_k=64, num_splits=3, num_stages=2, num_consumers=2)
 
 
+def in_n(config):
+    """``config`` with the group's queries in the wgmmas' N (``MosaicDecodeConfig.queries_in_n``)."""
+    return dataclasses.replace(config, queries_in_n=True)
+
+
 def mosaic(paged, config=ONE_SPLIT, **kwargs):
     """``impl="mosaic"`` on ``paged`` -> numpy float32 (and lse with ``return_lse``)."""
     options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
@@ -95,7 +101,8 @@ def every_option(rng, num_heads):
 
 @pytest.mark.parametrize("dtype,config", [
     ("bfloat16", THREE_SPLITS), ("float16", ONE_SPLIT), ("bfloat16", TWO_CONSUMERS),
-    ("float16", MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=4, num_consumers=2))])
+    ("float16", MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=4, num_consumers=2)),
+    ("bfloat16", in_n(THREE_SPLITS)), ("float16", in_n(TWO_CONSUMERS))])
 def test_matches_oracle_and_torch_ref(rng, dtype, config):
     paged = make_paged(rng, lens=[150, 0, 1, 16, 17, 64], num_heads=8, num_kv_heads=2,
                        head_dim=64, block_size=16, dtype=dtype)
@@ -103,12 +110,15 @@ def test_matches_oracle_and_torch_ref(rng, dtype, config):
     np.testing.assert_allclose(out, run_torch(paged), atol=ATOL[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
-def test_gqa_groups(rng, num_heads, num_kv_heads):
-    """Groups of 1, 2, 4 and 8 query heads per kv head, all in one wgmma."""
+@pytest.mark.parametrize("queries_in_n", [False, True])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1), (12, 1)])
+def test_gqa_groups(rng, num_heads, num_kv_heads, queries_in_n):
+    """Groups of 1, 2, 4, 8 and 12 query heads per kv head, all in one wgmma (with
+    ``queries_in_n``, N = 8 or 16)."""
     paged = make_paged(rng, lens=[70, 9], num_heads=num_heads, num_kv_heads=num_kv_heads,
                        head_dim=64, block_size=16, dtype="bfloat16")
-    assert_matches_oracle(paged, "bfloat16")
+    config = dataclasses.replace(ONE_SPLIT, queries_in_n=queries_in_n)
+    assert_matches_oracle(paged, "bfloat16", config)
 
 
 def test_i5_gqa_is_repeat_interleave(rng):
@@ -119,19 +129,22 @@ def test_i5_gqa_is_repeat_interleave(rng):
     assert np.abs(out - numpy_attention(paged, lambda h: h % 2)).max() > 1e-2
 
 
+@pytest.mark.parametrize("queries_in_n", [False, True])
 @pytest.mark.parametrize("block_size", [8, 32, 128])
-def test_block_sizes(rng, block_size):
+def test_block_sizes(rng, block_size, queries_in_n):
     """Pages smaller than a tile (several TMA copies per tile) and larger (a slice per tile);
     lengths 1, bs - 1, bs, bs + 1, 2 bs + 3."""
     lens = [1, block_size - 1, block_size, block_size + 1, 2 * block_size + 3]
     paged = make_paged(rng, lens=lens, num_heads=4, num_kv_heads=1, head_dim=64,
                        block_size=block_size, dtype="bfloat16")
-    assert_matches_oracle(paged, "bfloat16", MosaicDecodeConfig(num_splits=2, num_stages=2))
+    assert_matches_oracle(paged, "bfloat16", MosaicDecodeConfig(num_splits=2, num_stages=2,
+                                                                queries_in_n=queries_in_n))
 
 
 @pytest.mark.parametrize("which,config", [("alibi_slopes", THREE_SPLITS),
                                           ("sinks", THREE_SPLITS), ("all", THREE_SPLITS),
-                                          ("all", TWO_CONSUMERS)])  # (window, soft-cap: below)
+                                          ("all", TWO_CONSUMERS), ("all", in_n(THREE_SPLITS)),
+                                          ("all", in_n(TWO_CONSUMERS))])  # (window, soft-cap: below)
 def test_options(rng, which, config):
     paged = make_paged(rng, lens=[150, 0, 1, 40, 64], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype="bfloat16")
@@ -140,8 +153,9 @@ def test_options(rng, which, config):
     assert_matches_oracle(paged, "bfloat16", config, scale=0.2, **options)
 
 
-@pytest.mark.parametrize("window", [1, 17, 100])
-def test_sliding_window_skips_pages_before_it(rng, window):
+@pytest.mark.parametrize("window,config", [(1, THREE_SPLITS), (17, THREE_SPLITS),
+                                           (100, THREE_SPLITS), (17, in_n(THREE_SPLITS))])
+def test_sliding_window_skips_pages_before_it(rng, window, config):
     """Whole pages before the window hold NaN (they are not read); the window may start inside a
     page and inside a tile."""
     paged = make_paged(rng, lens=[200, 33, 5], num_heads=4, num_kv_heads=2, head_dim=64,
@@ -151,13 +165,15 @@ def test_sliding_window_skips_pages_before_it(rng, window):
         for page in range(max(n - window, 0) // 16):
             paged.k_cache[paged.block_tables[b, page]] = np.nan
             paged.v_cache[paged.block_tables[b, page]] = np.nan
-    out = mosaic(paged, THREE_SPLITS, sliding_window=window)
+    out = mosaic(paged, config, sliding_window=window)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, expected, atol=ATOL["bfloat16"], rtol=0)
 
 
 @pytest.mark.parametrize("q_dtype,config", [("bfloat16", THREE_SPLITS), ("float16", THREE_SPLITS),
-                                            ("bfloat16", TWO_CONSUMERS)])
+                                            ("bfloat16", TWO_CONSUMERS),
+                                            ("bfloat16", in_n(THREE_SPLITS)),
+                                            ("float16", in_n(TWO_CONSUMERS))])
 def test_fp8_cache(rng, q_dtype, config):
     paged = make_paged(rng, lens=[100, 0, 17], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype="float8_e4m3fn", q_dtype=q_dtype)
@@ -188,32 +204,37 @@ def test_fp8_cache_bf16_query_beyond_fp16_range(rng):
     assert_matches_oracle(paged, "bfloat16", scale=2.0**-17 / 8, k_scale=0.5, v_scale=2.0)
 
 
-def test_fp8_cache_every_option_nan_poisoned(rng):
+@pytest.mark.parametrize("config", [ONE_SPLIT, in_n(ONE_SPLIT)])
+def test_fp8_cache_every_option_nan_poisoned(rng, config):
     """fp8 NaN codes in every unused slot (e4m3fn has no Inf) with every option."""
     paged = make_paged(rng, lens=[90, 1, 33], num_heads=4, num_kv_heads=1, head_dim=128,
                        block_size=16, dtype="float8_e4m3fn", fill=np.nan)
-    assert_matches_oracle(paged, "bfloat16", k_scale=0.25, v_scale=0.75, **every_option(rng, 4))
+    assert_matches_oracle(paged, "bfloat16", config, k_scale=0.25, v_scale=0.75,
+                          **every_option(rng, 4))
 
 
 # --- SPEC invariants -------------------------------------------------------------------------------
 
-def test_i2_table_tail_is_never_read(rng):
+@pytest.mark.parametrize("config", [ONE_SPLIT, in_n(ONE_SPLIT)])
+def test_i2_table_tail_is_never_read(rng, config):
     paged = make_paged(rng, lens=[5, 0, 33, 16], num_heads=4, num_kv_heads=2, head_dim=64,
                        block_size=8, max_blocks=9, dtype="bfloat16", tail=(0,))
-    clean = mosaic(paged)
+    clean = mosaic(paged, config)
     tables = paged.block_tables.copy()
     used = np.arange(tables.shape[1])[None, :] < -(-paged.context_lens // 8)[:, None]
     for garbage in (2**30, -(2**31)):
         tables[~used] = garbage
         np.testing.assert_array_equal(mosaic(paged.__class__(**{**vars(paged),
-                                                                 "block_tables": tables})), clean)
+                                                                 "block_tables": tables}),
+                                             config), clean)
 
 
-def test_i3_exactly_n_rows_enter(rng):
+@pytest.mark.parametrize("config", [ONE_SPLIT, in_n(ONE_SPLIT)])
+def test_i3_exactly_n_rows_enter(rng, config):
     """Huge values right after the last valid token of a partial page would dominate."""
     paged = make_paged(rng, lens=[1, 3, 16, 17, 63], num_heads=4, num_kv_heads=1, head_dim=64,
                        block_size=16, dtype="bfloat16", fill=1e4)
-    assert_matches_oracle(paged, "bfloat16")
+    assert_matches_oracle(paged, "bfloat16", config)
 
 
 def test_i4_paged_equals_dense(rng):
@@ -234,8 +255,9 @@ def test_i4_paged_equals_dense(rng):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+@pytest.mark.parametrize("config", [THREE_SPLITS, in_n(THREE_SPLITS)])
 @pytest.mark.parametrize("fill", [np.nan, np.inf])
-def test_i6_poisoned_unused_slots_change_nothing(rng, fill):
+def test_i6_poisoned_unused_slots_change_nothing(rng, fill, config):
     """NaN/Inf in every slot that is not a valid token, split tiles and partial pages included:
     bit-identical to a clean cache."""
     state = rng.bit_generator.state
@@ -244,22 +266,24 @@ def test_i6_poisoned_unused_slots_change_nothing(rng, fill):
     rng.bit_generator.state = state
     clean = make_paged(rng, lens=[70, 0, 12, 3], num_heads=4, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype="bfloat16", fill=0.0)
-    out = mosaic(poisoned, THREE_SPLITS)
+    out = mosaic(poisoned, config)
     assert np.isfinite(out).all()
-    np.testing.assert_array_equal(out, mosaic(clean, THREE_SPLITS))
+    np.testing.assert_array_equal(out, mosaic(clean, config))
 
 
-def test_i7_zero_length_rows(rng):
+@pytest.mark.parametrize("config", [THREE_SPLITS, in_n(THREE_SPLITS)])
+def test_i7_zero_length_rows(rng, config):
     paged = make_paged(rng, lens=[0, 9, 0, 40], num_heads=4, num_kv_heads=2, head_dim=64,
                        block_size=8, dtype="bfloat16")
     sinks = rng.standard_normal(4).astype(np.float32)
-    out, lse = mosaic(paged, THREE_SPLITS, return_lse=True, sinks=sinks)
+    out, lse = mosaic(paged, config, return_lse=True, sinks=sinks)
     assert (out[[0, 2]] == 0).all() and np.isneginf(lse[[0, 2]]).all()
     expected, _ = oracle(paged, sinks=sinks)
     np.testing.assert_allclose(out[[1, 3]], expected[[1, 3]], atol=ATOL["bfloat16"], rtol=0)
 
 
-def test_out_of_range_ids_and_lengths_are_clamped(rng):
+@pytest.mark.parametrize("config", [ONE_SPLIT, in_n(ONE_SPLIT)])
+def test_out_of_range_ids_and_lengths_are_clamped(rng, config):
     """Under jit a bad id inside the valid part reads a clamped block, never outside the cache;
     lengths are clamped into [0, capacity]."""
     paged = make_paged(rng, lens=[17, 24], num_heads=4, num_kv_heads=2, head_dim=64,
@@ -271,7 +295,7 @@ def test_out_of_range_ids_and_lengths_are_clamped(rng):
                              "context_lens": np.array([17, 1000], np.int32)})
     fixed = paged.__class__(**{**vars(paged), "block_tables": np.clip(tables, 0, num_blocks - 1),
                                "context_lens": np.array([17, 24], np.int32)})
-    np.testing.assert_array_equal(mosaic(bad), mosaic(fixed))
+    np.testing.assert_array_equal(mosaic(bad, config), mosaic(fixed, config))
 
 
 def test_usable_inside_user_jit(rng):
@@ -329,10 +353,26 @@ def test_config_type_and_fields_are_checked():
         MosaicDecodeConfig(num_stages=3, num_consumers=2)
     with pytest.raises(ValueError, match="num_consumers=True must be a positive int"):
         MosaicDecodeConfig(num_consumers=True)
+    with pytest.raises(ValueError, match="queries_in_n=1 must be a bool"):
+        MosaicDecodeConfig(queries_in_n=1)
     with pytest.raises(ValueError, match="shared memory"):
         jax.eval_shape(functools.partial(
             pp.decode, impl="mosaic", interpret=True,
             config=MosaicDecodeConfig(block_k=128, num_stages=8)), *args)
+
+
+@on_every_jax
+def test_queries_in_n_pads_the_group_to_wgmma_n_and_needs_less_shared_memory():
+    """With the queries in N the group is padded to a multiple of 8 rows, not 64, and q, P and
+    the partial results shrink with it: 128-token bf16 tiles fit 3 stages instead of 2."""
+    rows = mosaic_gpu.query_rows
+    assert [rows(g, in_n(ONE_SPLIT)) for g in (1, 4, 8, 12, 64)] == [8, 8, 8, 16, 64]
+    assert {rows(g, ONE_SPLIT) for g in (1, 4, 8, 12, 64)} == {64}
+    three = MosaicDecodeConfig(block_k=128, num_stages=3)
+    need = functools.partial(mosaic_gpu.smem_bytes, 128, "bfloat16", "bfloat16", alibi=True,
+                             group=4)
+    assert need(config=three) > mosaic_gpu.MAX_SMEM_BYTES >= need(config=in_n(three))
+    assert need(config=in_n(three)) < need(config=three) - 50_000  # q, P and o of 8 rows
 
 
 @on_every_jax
@@ -531,6 +571,13 @@ LOWERINGS = {
     "bs8_mha": dict(block_size=8, num_heads=2, kvh=2),
     "bs128_subpage_tiles_g8": dict(block_size=128, num_heads=16, kvh=2,
                                    config=MosaicDecodeConfig(block_k=64, num_splits=2)),
+    # the group in the wgmmas' N: S^T = K Q^T, O^T = V^T P^T
+    "queries_in_n_bf16_bk128_st3": dict(config=MosaicDecodeConfig(block_k=128, num_stages=3,
+                                                                  queries_in_n=True)),
+    "queries_in_n_fp16_g16_every_option": dict(dtype=jnp.float16, options=True, num_heads=32,
+                                               kvh=2, config=in_n(TWO_CONSUMERS)),
+    "queries_in_n_fp8_every_option": dict(cache_dtype=jnp.float8_e4m3fn, scales=True,
+                                          options=True, config=in_n(TWO_CONSUMERS)),
 }
 
 
@@ -558,6 +605,7 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
     text = jax.jit(fn).trace(*args, *extra).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
     assert mosaic_gpu.KERNEL_NAME in text and "xla.gpu.triton" not in text
+    assert ("_qn" in text) == bool(config and config.queries_in_n)
 
 
 # --- the compiled kernel on a GPU ------------------------------------------------------------------
@@ -583,13 +631,20 @@ def _realistic(rng, batch, context, dtype, num_kv_heads=8):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("queries_in_n", [False, True])
 @pytest.mark.parametrize("batch,context,dtype", [(1, 32768, "bfloat16"), (32, 4096, "bfloat16"),
                                                  (32, 4096, "float8_e4m3fn")])
-def test_compiled_kernel_at_realistic_shapes(rng, batch, context, dtype):
-    """Against impl="xla" (fp32 inside; the oracle's loops would take minutes at these sizes)."""
+def test_compiled_kernel_at_realistic_shapes(rng, batch, context, dtype, queries_in_n):
+    """Against impl="xla" (fp32 inside; the oracle's loops would take minutes at these sizes),
+    with the config decode picks (and that config with the queries in N)."""
     paged = _realistic(rng, batch, context, dtype)
     scales = dict(k_scale=0.5, v_scale=0.25) if dtype == "float8_e4m3fn" else {}
-    out, lse = pp.decode(*paged.jax(), impl="mosaic", return_lse=True, **scales)
+    q, k_cache, _, tables, _ = paged.jax()
+    config = None
+    if queries_in_n:
+        shape = api.decode_shape(q, k_cache, tables)
+        config = in_n(configs.lookup_mosaic(shape, "NVIDIA H200", 132))
+    out, lse = pp.decode(*paged.jax(), impl="mosaic", config=config, return_lse=True, **scales)
     ref, ref_lse = pp.decode(*paged.jax(), impl="xla", return_lse=True, **scales)
     out = to_numpy(out).astype(np.float32)
     assert np.isfinite(out).all()
@@ -598,13 +653,15 @@ def test_compiled_kernel_at_realistic_shapes(rng, batch, context, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_consumers,num_stages", [(1, 4), (2, 2)])  # (2, 4): over the smem
-def test_compiled_kernel_every_option_with_splits(rng, num_consumers, num_stages):
+@pytest.mark.parametrize("num_consumers,num_stages,queries_in_n",
+                         [(1, 4, False), (2, 2, False), (1, 4, True), (2, 4, True)])
+def test_compiled_kernel_every_option_with_splits(rng, num_consumers, num_stages, queries_in_n):
+    """(2 consumers with 4 stages exceed the shared memory with the queries in M.)"""
     paged = _realistic(rng, 4, 5000, "bfloat16")
     options = every_option(rng, 32)
     options["sliding_window"] = 1500
     config = MosaicDecodeConfig(block_k=64, num_splits=8, num_stages=num_stages,
-                                num_consumers=num_consumers)
+                                num_consumers=num_consumers, queries_in_n=queries_in_n)
     jax_options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in options.items()}
     out = pp.decode(*paged.jax(), impl="mosaic", config=config, **jax_options)
     ref = pp.decode(*paged.jax(), impl="xla", **jax_options)
@@ -617,8 +674,11 @@ def test_bench_mosaic_config_labels():
     from benchmarks import bench_mosaic
     config = MosaicDecodeConfig(block_k=128, num_splits=4, num_stages=2, num_consumers=2)
     assert MosaicDecodeConfig(**bench_mosaic.parse_config(bench.config_label(config))) == config
+    assert bench.config_label(in_n(config)) == "bk128/s4/st2/c2/qn1"
+    assert MosaicDecodeConfig(**bench_mosaic.parse_config("bk128/s4/st2/c2/qn1")) == in_n(config)
     assert bench_mosaic.parse_config("st4/c2") == {"num_stages": 4, "num_consumers": 2}
-    for bad in ("bk64/s1/x2", "bk64/s", "c2/c1", ""):
+    assert bench_mosaic.parse_config("qn0") == {"queries_in_n": False}
+    for bad in ("bk64/s1/x2", "bk64/s", "c2/c1", "", "qn2"):
         with pytest.raises(ValueError):
             bench_mosaic.parse_config(bad)
 

@@ -160,18 +160,28 @@ class MosaicDecodeConfig:
         split's tiles ``c, c + 2, ...`` (the ring's stages ``c, c + 2, ...``, so ``num_stages``
         must be even) with its own online softmax, so two tiles' dependent chains (wgmma, softmax,
         wgmma) run at once; each consumer's partial result is one more split for the merge.
+      queries_in_n: the group's query heads in the wgmmas' N dimension, ``S^T = K Q^T`` and
+        ``O^T = V^T P^T`` (N: the group padded to a multiple of 8; M: the tile's tokens, then the
+        head dimension), instead of their M (the group padded to wgmma's minimum of 64 rows).
+        For a group of 4 the softmax then works on 8 columns per token instead of 64 rows, the
+        accumulator is 8 columns instead of 64 rows, and P is 8 rows instead of 64 in shared
+        memory. Not yet timed on a GPU (docs/BENCHMARKS.md).
     """
 
     block_k: int = 64
     num_splits: int = 1
     num_stages: int = 3
     num_consumers: int = 1
+    queries_in_n: bool = False
 
     def __post_init__(self):
         for name in ("block_k", "num_splits", "num_stages", "num_consumers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MosaicDecodeConfig.{name}={value!r} must be a positive int")
+        if not isinstance(self.queries_in_n, bool):
+            raise ValueError(
+                f"MosaicDecodeConfig.queries_in_n={self.queries_in_n!r} must be a bool")
         if self.block_k not in (64, 128):
             raise ValueError(f"MosaicDecodeConfig.block_k={self.block_k} must be 64 or 128")
         if self.num_stages < 2:

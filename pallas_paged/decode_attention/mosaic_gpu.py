@@ -15,7 +15,10 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
    - A consumer warpgroup computes the ``group`` query heads of the kv head together, as the
      rows of the wgmma (padded to its minimum M of 64 with zero queries: decode is bound by reading
      the cache, not by the tensor cores): ``S = Q K^T`` and ``P V`` on the tensor cores with fp32
-     accumulators, the online softmax in fp32 registers; then it frees the stage. Consumer ``c``
+     accumulators, the online softmax in fp32 registers; then it frees the stage. With
+     ``MosaicDecodeConfig.queries_in_n`` the group is the wgmmas' N instead (padded to a
+     multiple of 8): ``S^T = K Q^T`` and ``O^T = V^T P^T``, the softmax over the tokens of
+     ``S^T``'s columns, P stored transposed, ``O^T`` written out whole. Consumer ``c``
      of ``C`` takes the split's tiles ``c, c + C, ...``, which live in the ring's stages ``c, c +
      C, ...`` (``num_stages`` is a multiple of ``C``), so each stage's barriers have one waiter.
    Each consumer writes its unnormalized ``(o, m, l)`` as one of the ``num_splits * C`` partial
@@ -68,6 +71,7 @@ from pallas_paged.decode_attention.pallas_triton import (FP16_SAFE_MAX, _merge_s
 
 MIN_JAX = (0, 11, 2)  # plgpu.kernel with out_type / scratch_types and warpgroup semantics
 MMA_ROWS = 64  # wgmma's M: the query rows of a group, padded with zero queries
+MMA_COLUMNS = 8  # the unit of wgmma's N: with queries_in_n, the group is padded to a multiple
 SUPPORTED_HEAD_DIMS = (64, 128)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 KERNEL_NAME = "pallas_paged_decode_mosaic"
@@ -84,20 +88,29 @@ MOSAIC_OWN_SMEM_BYTES = 2048
 COMPILER_PARAMS = {"approx_math": False}
 
 
+def query_rows(group: int, config: MosaicDecodeConfig) -> int:
+    """The query rows the kernel computes per kv head, the group padded with zero queries: to
+    wgmma's M of 64, or with ``config.queries_in_n`` to a multiple of its N unit of 8."""
+    if config.queries_in_n:
+        return -(-group // MMA_COLUMNS) * MMA_COLUMNS
+    return MMA_ROWS
+
+
 def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeConfig,
-               alibi: bool = False) -> int:
-    """Shared memory one CTA of the kernel takes: the scratch of `_paged_decode_kernel` and
-    `MOSAIC_OWN_SMEM_BYTES`."""
+               alibi: bool = False, group: int = MMA_ROWS) -> int:
+    """Shared memory one CTA of the kernel takes for a group of ``group`` query heads: the
+    scratch of `_paged_decode_kernel` and `MOSAIC_OWN_SMEM_BYTES`."""
     cache, compute = jnp.dtype(cache_dtype).itemsize, jnp.dtype(compute_dtype).itemsize
     tile = config.block_k * head_dim
     consumers = config.num_consumers
-    total = MMA_ROWS * head_dim * compute                    # q
+    rows = query_rows(group, config)
+    total = rows * head_dim * compute                        # q
     total += 2 * config.num_stages * tile * cache            # the K and V ring
     if jnp.dtype(cache_dtype) != jnp.dtype(compute_dtype):
         total += consumers * 2 * tile * compute              # converted K and V tiles
-    total += consumers * MMA_ROWS * config.block_k * compute  # P
-    total += consumers * MMA_ROWS * (head_dim + 2) * 4       # o, m, l
-    total += MMA_ROWS * 4 * alibi                            # the slopes
+    total += consumers * rows * config.block_k * compute     # P
+    total += consumers * rows * (head_dim + 2) * 4           # o, m, l
+    total += rows * 4 * alibi                                # the slopes
     total += 8 * (1 + 3 * config.num_stages)                 # barriers
     return total + MOSAIC_OWN_SMEM_BYTES
 
@@ -165,7 +178,8 @@ def check_supported(q, k_cache, config: MosaicDecodeConfig) -> None:
             f"impl='mosaic' needs block_size a multiple of 8 that divides block_k={block_k} or is"
             f" a multiple of it, got {k_cache.shape=} (block_size={block_size}): use"
             " impl='pallas'")
-    need = smem_bytes(head_dim, k_cache.dtype, q.dtype, config, alibi=True)
+    need = smem_bytes(head_dim, k_cache.dtype, q.dtype, config, alibi=True,
+                      group=max(num_heads // kvh, 1))
     if need > MAX_SMEM_BYTES:
         raise ValueError(
             f"config={config} needs {need} bytes of shared memory for {k_cache.shape=}, more than"
@@ -195,14 +209,15 @@ def refusal(q, k_cache, config: MosaicDecodeConfig, interpret: bool) -> str | No
 def _paged_decode_kernel(
     lens_ref,     # i32[batch]                                          (GMEM)
     tables_ref,   # i32[batch, max_blocks]                              (GMEM)
-    q_ref,        # [batch, num_kv_heads, 64, head_dim], zero rows past the group
+    q_ref,        # [batch, num_kv_heads, R, head_dim], zero rows past the group (R: `query_rows`)
     k_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]    (the cache)
     v_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]
-    alibi_ref,    # f32[num_kv_heads, 64] or None
+    alibi_ref,    # f32[num_kv_heads, R] or None
     scores_ref,   # f32[batch, num_kv_heads] or None (fp8): scale * k_scale * q's power of two
     o_ref,        # f32[batch, num_kv_heads, num_splits * C, group, head_dim], unnormalized
-    m_ref,        # f32[batch, num_kv_heads, num_splits * C, 64], running max
-    l_ref,        # f32[batch, num_kv_heads, num_splits * C, 64], sum of exponentials
+                  # (queries_in_n: its transpose with every row, [..., head_dim, R])
+    m_ref,        # f32[batch, num_kv_heads, num_splits * C, R], running max
+    l_ref,        # f32[batch, num_kv_heads, num_splits * C, R], sum of exponentials
                   # (C = num_consumers: partial result split * C + c is consumer c's)
     *,
     plgpu,
@@ -212,6 +227,7 @@ def _paged_decode_kernel(
     num_splits: int,
     num_stages: int,
     num_consumers: int,
+    queries_in_n: bool,
     soft_cap: float | None,
     window: int | None,
     compute_dtype,
@@ -229,15 +245,24 @@ def _paged_decode_kernel(
     # Pages the tiles may address: the table is read only inside [page_lo, page_hi].
     page_lo, page_hi = first // block_size, jnp.maximum(n - 1, 0) // block_size
     convert = jnp.dtype(k_ref.dtype) != jnp.dtype(compute_dtype)
+    q_rows = q_ref.shape[2]
+    # The scores' layout: [q_rows, Tk] (queries in wgmma's M), or [Tk, q_rows] (queries_in_n).
+    query_axis = 1 if queries_in_n else 0
+    token_axis = 1 - query_axis
+    score_shape = (block_k, q_rows) if queries_in_n else (q_rows, block_k)
+
+    def per_query(vector, shape):
+        """f32[q_rows] broadcast along the other axis of ``shape``."""
+        return jax.lax.broadcast_in_dim(vector, shape, [query_axis])
 
     def body(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem, ml_smem,
              q_bar, k_bars, v_bars, free_bars):
-        # q_smem [64, D]; k_smem, v_smem [stages, block_k, D] in the cache dtype; per consumer
-        # (leading axis C): kc_smem, vc_smem [C, block_k, D] in compute_dtype (fp8 caches only,
-        # else None), p_smem [C, 64, block_k] in compute_dtype, o_smem f32[C, 64, D], ml_smem
-        # f32[C, 2, 64]; alibi_smem f32[64] or None. Barriers: q_bar (queries and slopes);
-        # k_bars[stages], v_bars[stages] (TMA done); free_bars[stages] (a consumer is done with a
-        # stage).
+        # q_smem [R, D] (R = q_rows); k_smem, v_smem [stages, block_k, D] in the cache dtype; per
+        # consumer (leading axis C): kc_smem, vc_smem [C, block_k, D] in compute_dtype (fp8
+        # caches only, else None), p_smem [C, R, block_k] in compute_dtype, o_smem f32[C, R, D]
+        # (queries_in_n: [C, D, R], O^T), ml_smem f32[C, 2, R]; alibi_smem f32[R] or None.
+        # Barriers: q_bar (queries and slopes); k_bars[stages], v_bars[stages] (TMA done);
+        # free_bars[stages] (a consumer is done with a stage).
         copies = _copies_per_tile(block_size, block_k)
 
         def block_ids(tile):
@@ -309,16 +334,17 @@ def _paged_decode_kernel(
             consume_nothing(c, k_bars, v_bars, free_bars)
             return
         if alibi_smem is not None:
-            # f32[64], one slope per row of the scores (the layout of their row reductions).
-            slopes = plgpu.load(alibi_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+            # f32[q_rows], one slope per query (the layout of the scores' token reductions).
+            slopes = plgpu.load(alibi_smem, layout=plgpu.Layout.WGMMA.reduce(token_axis))
         score_scale = scale if scores_ref is None else scores_ref[b, h]
 
         def tile_body(i, carry):
-            acc, m_prev, l_prev = carry  # f32[64, D], f32[64], f32[64]
+            # f32[q_rows, D] (queries_in_n: [D, q_rows]), f32[q_rows], f32[q_rows]
+            acc, m_prev, l_prev = carry
             step = c + i * num_consumers  # the split's tile counted from tile_lo
             tile = tile_lo + step
             slot = jax.lax.rem(step, num_stages)
-            pos = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, (MMA_ROWS, block_k), 1)
+            pos = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, score_shape, token_axis)
             valid = (pos >= first) & (pos < n)
             partial = (tile * block_k < first) | ((tile + 1) * block_k > n)
 
@@ -331,22 +357,25 @@ def _paged_decode_kernel(
                 k_tile = k_smem.at[slot]
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
+                if queries_in_n:  # S^T = K Q^T: M = the tile's tokens, N = the queries
+                    plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
+                else:
+                    plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((MMA_ROWS, block_k), jnp.float32))  # f32[64, Tk]
+            s = pl.run_scoped(qk, plgpu.ACC(score_shape, jnp.float32))  # f32[score_shape]
             s = s * score_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             if alibi_smem is not None:
                 rel = (pos - (n - 1)).astype(jnp.float32)
-                s = s + jax.lax.broadcast_in_dim(slopes, s.shape, [0]) * rel
+                s = s + per_query(slopes, s.shape) * rel
             s = jnp.where(valid, s, -jnp.inf)
-            m_next = jnp.maximum(m_prev, s.max(axis=1))
+            m_next = jnp.maximum(m_prev, s.max(axis=token_axis))
             m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-            alpha = jnp.exp(m_prev - m_safe)  # f32[64]
-            p = jnp.exp(s - jax.lax.broadcast_in_dim(m_safe, s.shape, [0]))  # 0 where masked
-            l_next = l_prev * alpha + p.sum(axis=1)
+            alpha = jnp.exp(m_prev - m_safe)  # f32[q_rows]
+            p = jnp.exp(s - per_query(m_safe, s.shape))  # 0 where masked
+            l_next = l_prev * alpha + p.sum(axis=token_axis)
 
             plgpu.barrier_wait(v_bars.at[slot])
             row = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
@@ -364,29 +393,37 @@ def _paged_decode_kernel(
                     plgpu.commit_smem()
                 v_tile = v_smem.at[slot]
 
-            # P goes through shared memory: interpret mode takes wgmma operands from SMEM only.
-            p_smem[...] = p.astype(compute_dtype)
+            # P ([q_rows, Tk] in shared memory either way; S^T's P^T is stored transposed) goes
+            # through shared memory: interpret mode takes wgmma operands from SMEM only.
+            if queries_in_n:
+                p_smem.transpose((1, 0))[...] = p.astype(compute_dtype)
+            else:
+                p_smem[...] = p.astype(compute_dtype)
             plgpu.commit_smem()
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_tile)
+                if queries_in_n:  # O^T = V^T P^T: M = the head dimension, N = the queries
+                    plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_smem.transpose((1, 0)))
+                else:
+                    plgpu.wgmma(acc_ref, p_smem, v_tile)
                 return acc_ref[...]
 
             # A fresh accumulator per tile (its own scope: interpret mode cannot mix ACC with
             # other memory spaces, nor seed it from registers), added to the rescaled sum.
-            pv_tile = pl.run_scoped(pv, plgpu.ACC((MMA_ROWS, head_dim), jnp.float32))
+            pv_tile = pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
             # Both wgmmas have read the stage: free it, when the producer will refill it (every
             # arrival is waited for, so no barrier phase is left unobserved).
             @pl.when(step + num_stages < num_tiles)
             def _free():
                 plgpu.barrier_arrive(free_bars.at[slot])
 
-            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_tile
+            acc = acc * per_query(alpha, acc.shape) + pv_tile
             return acc, m_next, l_next
 
-        carry = (jnp.zeros((MMA_ROWS, head_dim), jnp.float32),
-                 jnp.full((MMA_ROWS,), -jnp.inf, jnp.float32),
-                 jnp.zeros((MMA_ROWS,), jnp.float32))
+        carry = (jnp.zeros((head_dim, q_rows) if queries_in_n else (q_rows, head_dim),
+                           jnp.float32),
+                 jnp.full((q_rows,), -jnp.inf, jnp.float32),
+                 jnp.zeros((q_rows,), jnp.float32))
         my_tiles = (num_tiles - c + num_consumers - 1) // num_consumers  # >= 0
         acc, m, l = jax.lax.fori_loop(0, my_tiles, tile_body, carry)
         write_partials(c, acc, m, l, o_smem, ml_smem)
@@ -414,7 +451,10 @@ def _paged_decode_kernel(
         ml_smem[1] = l
         plgpu.commit_smem()
         part = split * num_consumers + c
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[b, h, part])
+        # O^T whole (a transposed store of f32 registers finds no layout in compiled Mosaic
+        # GPU); the caller transposes it and drops the padding columns.
+        o_rows = o_smem if queries_in_n else o_smem.at[pl.ds(0, group)]
+        plgpu.copy_smem_to_gmem(o_rows, o_ref.at[b, h, part])
         plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[b, h, part])
         plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[b, h, part])
         plgpu.wait_smem_to_gmem(0)
@@ -431,15 +471,16 @@ def _paged_decode_kernel(
     cache_dtype = k_ref.dtype
     consumers = num_consumers
     scratch = (
-        smem((MMA_ROWS, head_dim), compute_dtype, mma_operand=True),
+        smem((q_rows, head_dim), compute_dtype, mma_operand=True),
         smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
         smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
         smem((consumers, block_k, head_dim), compute_dtype, mma_operand=True) if convert else None,
         smem((consumers, block_k, head_dim), compute_dtype, mma_operand=True) if convert else None,
-        smem((consumers, MMA_ROWS, block_k), compute_dtype, mma_operand=True),
-        smem((MMA_ROWS,), jnp.float32, mma_operand=False) if alibi_ref is not None else None,
-        smem((consumers, MMA_ROWS, head_dim), jnp.float32, mma_operand=False),
-        smem((consumers, 2, MMA_ROWS), jnp.float32, mma_operand=False),
+        smem((consumers, q_rows, block_k), compute_dtype, mma_operand=True),
+        smem((q_rows,), jnp.float32, mma_operand=False) if alibi_ref is not None else None,
+        smem((consumers, head_dim, q_rows) if queries_in_n else (consumers, q_rows, head_dim),
+             jnp.float32, mma_operand=False),
+        smem((consumers, 2, q_rows), jnp.float32, mma_operand=False),
         plgpu.Barrier(num_arrivals=1 if alibi_ref is None else 2),  # q (and the slopes)
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
@@ -502,16 +543,18 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
             q_grouped = q32 / shift[..., None, None]
         k_mult = jnp.asarray(k_scale, jnp.float32).reshape(())
         score_multipliers = shift * (jnp.float32(scale) * k_mult)
-    pad_rows = ((0, 0), (0, 0), (0, MMA_ROWS - group))
+    rows = query_rows(group, config)
+    pad_rows = ((0, 0), (0, 0), (0, rows - group))
     q_padded = jnp.pad(q_grouped.astype(compute_dtype), pad_rows + ((0, 0),))
     alibi = None
     if alibi_slopes is not None:
         alibi = jnp.pad(alibi_slopes.astype(jnp.float32).reshape(kvh, group),
-                        ((0, 0), (0, MMA_ROWS - group)))
+                        ((0, 0), (0, rows - group)))
     body = functools.partial(
         _paged_decode_kernel, plgpu=plgpu, scale=scale, group=group,
         block_k=config.block_k, num_splits=splits, num_stages=config.num_stages,
-        num_consumers=config.num_consumers, soft_cap=logits_soft_cap, window=sliding_window,
+        num_consumers=config.num_consumers, queries_in_n=config.queries_in_n,
+        soft_cap=logits_soft_cap, window=sliding_window,
         compute_dtype=compute_dtype, producer_only=producer_only)
     optional = {"alibi": alibi, "scores": score_multipliers}  # inputs only some calls have
     present = [name for name, x in optional.items() if x is not None]
@@ -522,11 +565,13 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
              *rest[len(present):])
 
     operands = (lens, tables, q_padded, k_cache, v_cache, *(optional[name] for name in present))
-    out_type = (jax.ShapeDtypeStruct((batch, kvh, parts, group, head_dim), jnp.float32),
-                jax.ShapeDtypeStruct((batch, kvh, parts, MMA_ROWS), jnp.float32),
-                jax.ShapeDtypeStruct((batch, kvh, parts, MMA_ROWS), jnp.float32))
+    o_shape = (head_dim, rows) if config.queries_in_n else (group, head_dim)
+    out_type = (jax.ShapeDtypeStruct((batch, kvh, parts) + o_shape, jnp.float32),
+                jax.ShapeDtypeStruct((batch, kvh, parts, rows), jnp.float32),
+                jax.ShapeDtypeStruct((batch, kvh, parts, rows), jnp.float32))
     name = (f"{KERNEL_NAME}_bk{config.block_k}_s{splits}_st{config.num_stages}"
             f"_c{config.num_consumers}_g{group}_d{head_dim}_bs{k_cache.shape[1]}"
+            + ("_qn" if config.queries_in_n else "")
             + ("_producer_only" if producer_only else ""))
     o, m, l = plgpu.kernel(
         kernel_body,
@@ -539,6 +584,8 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
         compiler_params=plgpu.CompilerParams(**COMPILER_PARAMS),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*operands)
+    if config.queries_in_n:
+        o = jnp.swapaxes(o, -1, -2)[..., :group, :]
     if v_scale is not None:  # P V is linear in V: dequantize the partial sums
         o = o * jnp.asarray(v_scale, jnp.float32).reshape(())
     n = jnp.clip(lens, 0, block_tables.shape[1] * k_cache.shape[1])
