@@ -16,13 +16,13 @@ permutations from `benchmarks.shapes`), in one process:
 
 ``--configs`` also times a few `MosaicDecodeConfig` candidates per shape (the queries in N, splits
 and stages around the heuristic), to fill `configs.MOSAIC_TUNED`; ``--config bk64/st4/c2/qn1``
-(repeatable; any of block_k, splits, stages, consumers, queries_in_n, as the rows print them)
-also times, on every shape, the heuristic's config with the named fields replaced. ``--probe-producer`` also times each Mosaic
-config's producer alone (`decode_mosaic`'s ``producer_only`` probe: not attention, never
-compared); ``--compiler-param approx_math=1`` (repeatable) also times the heuristic's config
-compiled with those Mosaic GPU compiler parameters in place of `mosaic_gpu.COMPILER_PARAMS`.
-Every variant is isolated: an error is printed in its row and the run goes on. ``--smoke`` runs
-tiny shapes in interpret mode (plumbing only).
+(repeatable; any of block_k, splits, stages, consumers, queries_in_n, as the rows print them) also
+times, on every shape, the heuristic's config with the named fields replaced. ``--probe-producer``
+also times each Mosaic config's producer alone (`decode_mosaic`'s ``producer_only`` probe: not
+attention, never compared); ``--compiler-param approx_math=1`` (repeatable) also times the
+heuristic's config compiled with those Mosaic GPU compiler parameters in place of
+`mosaic_gpu.COMPILER_PARAMS`. Every variant is isolated: an error is printed in its row and the run
+goes on. ``--smoke`` runs tiny shapes in interpret mode (plumbing only).
 """
 
 from __future__ import annotations

@@ -71,14 +71,14 @@ def config_variants(default: pp.DecodeConfig, fp8: bool, pairs: int) -> list:
     telling first (a run may stop early).
 
     First K/V rings two tiles deep (``num_stages=5``): `pallas_triton.kv_ring_depth` says that
-    stages 2 to 4 all keep one K/V tile in flight per program, issued only after the tile before
-    was consumed (the stage sweeps of 2026-12-01 measured no difference between them), and
-    ``python -m benchmarks.triton_sass`` counts the K/V bytes in flight per multiprocessor that
-    each config can hold. For fp8 caches these are split counts for about four programs per
-    multiprocessor (``512 / pairs``; twice that for 32-token tiles), 64- and 128-token tiles,
-    the V tile converted at load; for 16-bit caches the default with 5 stages, with half its
-    splits (as many tiles in flight from half the programs, and half the partial results to
-    merge; also merged in the kernel), and with half its tile. Then, for fp8, the entry before the current one (128-token tiles, one split, 4
+    stages 2 to 4 all keep one K/V tile in flight per program, issued only after the tile before was
+    consumed (the stage sweeps of 2026-12-01 measured no difference between them), and ``python -m
+    benchmarks.triton_sass`` counts the K/V bytes in flight per multiprocessor that each config can
+    hold. For fp8 caches these are split counts for about four programs per multiprocessor (``512 /
+    pairs``; twice that for 32-token tiles), 64- and 128-token tiles, the V tile converted at load;
+    for 16-bit caches the default with 5 stages, with half its splits (as many tiles in flight from
+    half the programs, and half the partial results to merge; also merged in the kernel), and with
+    half its tile. Then, for fp8, the entry before the current one (128-token tiles, one split, 4
     warps), small tiles of 1-2 warps with ``fp8_v_at_load`` (the fastest kind on the H200,
     2026-12-01), then 64-, 128- and 32-token tiles of 4 or 8 warps with more splits; for 16-bit
     caches split counts and tiles around the default, 8 warps, 3 stages.

@@ -8,13 +8,13 @@ many programs a multiprocessor holds) before a GPU run times it.
 
 A decode shape (`benchmarks.shapes`) gives the decode kernel, a ragged one
 (`benchmarks.bench_ragged.SHAPES`) the ragged paged-attention kernel. The kernel is lowered as
-`pallas_paged.decode` or `pallas_paged.paged_attention` lowers it for CUDA (an abstract H100-class GPU,
-as the CPU tests lower it), its Triton IR is taken from that lowering, and the Triton compiler of
-the ``triton`` package (installed with the ``test`` extra on Linux x86_64, not a dependency of
-the library; the figures in docs/BENCHMARKS.md are from 3.7.1) compiles it for sm_90; its ``cuobjdump`` gives registers and SASS. On
-the H200 XLA compiles the same IR with its own build of Triton, so the counts here are a
-prediction to check with Nsight Compute there (for the fp8 kernel of 2026-12-01 they agreed: 254
-registers here, 255 there, one ``LDS.U8`` per V byte in both).
+`pallas_paged.decode` or `pallas_paged.paged_attention` lowers it for CUDA (an abstract H100-class
+GPU, as the CPU tests lower it), its Triton IR is taken from that lowering, and the Triton compiler
+of the ``triton`` package (installed with the ``test`` extra on Linux x86_64, not a dependency of
+the library; the figures in docs/BENCHMARKS.md are from 3.7.1) compiles it for sm_90; its
+``cuobjdump`` gives registers and SASS. On the H200 XLA compiles the same IR with its own build of
+Triton, so the counts here are a prediction to check with Nsight Compute there (for the fp8 kernel
+of 2026-12-01 they agreed: 254 registers here, 255 there, one ``LDS.U8`` per V byte in both).
 
 ``--config``: parts of `benchmarks.bench.config_label`'s form (``bk<int>/s<int>/w<int>/st<int>``,
 ``vl1`` for `DecodeConfig.fp8_v_at_load`; for ragged shapes `benchmarks.bench_ragged`'s, with

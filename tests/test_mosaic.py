@@ -59,7 +59,7 @@ TWO_CONSUMERS = MosaicDecodeConfig(block_k=64, num_splits=3, num_stages=2, num_c
 
 
 def in_n(config):
-    """``config`` with the group's queries in the wgmmas' N (``MosaicDecodeConfig.queries_in_n``)."""
+    """``config`` with the group's queries in the wgmmas' N (`MosaicDecodeConfig.queries_in_n`)."""
     return dataclasses.replace(config, queries_in_n=True)
 
 
@@ -144,7 +144,7 @@ def test_block_sizes(rng, block_size, queries_in_n):
 @pytest.mark.parametrize("which,config", [("alibi_slopes", THREE_SPLITS),
                                           ("sinks", THREE_SPLITS), ("all", THREE_SPLITS),
                                           ("all", TWO_CONSUMERS), ("all", in_n(THREE_SPLITS)),
-                                          ("all", in_n(TWO_CONSUMERS))])  # (window, soft-cap: below)
+                                          ("all", in_n(TWO_CONSUMERS))])  # window, soft-cap: below
 def test_options(rng, which, config):
     paged = make_paged(rng, lens=[150, 0, 1, 40, 64], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype="bfloat16")
