@@ -15,7 +15,7 @@ permutations from `benchmarks.shapes`), in one process:
    (`benchmarks.bench.measure_copy_bandwidth`).
 
 ``--configs`` also times a few `MosaicDecodeConfig` candidates per shape (the queries in N, splits
-and stages around the heuristic), to fill `configs.MOSAIC_TUNED`; ``--config bk64/st4/c2/qn1``
+and stages around the heuristic), to fill `configs.MOSAIC_TUNED`; ``--config bk64/st4/c1/qn1``
 (repeatable; any of block_k, splits, stages, consumers, queries_in_n, as the rows print them) also
 times, on every shape, the heuristic's config with the named fields replaced. ``--probe-producer``
 also times each Mosaic config's producer alone (`decode_mosaic`'s ``producer_only`` probe: not
@@ -87,7 +87,7 @@ def candidates(shape, heuristic: MosaicDecodeConfig) -> list[MosaicDecodeConfig]
     for queries_in_n, consumers, factor, stages, block_k in itertools.product(
             (True, False), (2, 1), (0.5, 1, 2), (2, 3, 4, 6), (64, 128)):
         splits = max(1, int(heuristic.num_splits * factor))
-        if stages % consumers:
+        if stages % consumers or (queries_in_n and consumers > 1):  # refused by the config
             continue
         config = MosaicDecodeConfig(block_k=block_k, num_splits=splits, num_stages=stages,
                                     num_consumers=consumers, queries_in_n=queries_in_n)

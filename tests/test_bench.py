@@ -832,7 +832,8 @@ def test_triton_sass_takes_the_decode_kernel_of_the_named_shape():
     ``triton`` package is installed."""
     from benchmarks import triton_sass
 
-    config = triton_sass.kernel_config("fp8_b32_ctx4096", {"fp8_v_at_load": True})
+    config = triton_sass.kernel_config("fp8_b32_ctx4096", {"fp8_v_at_load": True,
+                                                            "num_stages": 2})
     ir_text = triton_sass.triton_ir("fp8_b32_ctx4096", config)
     head = ir_text.split("\n", 1)[0]
     assert f"pallas_paged_decode_bk{config.block_k}_s{config.num_splits}" in head

@@ -58,6 +58,10 @@ THREE_SPLITS = MosaicDecodeConfig(block_k=64, num_splits=3, num_stages=2)
 TWO_CONSUMERS = MosaicDecodeConfig(block_k=64, num_splits=3, num_stages=2, num_consumers=2)
 
 
+# The queries in N with more stages (one consumer: two are refused), with splits.
+QN_FOUR_STAGES = MosaicDecodeConfig(block_k=64, num_splits=3, num_stages=4, queries_in_n=True)
+
+
 def in_n(config):
     """``config`` with the group's queries in the wgmmas' N (`MosaicDecodeConfig.queries_in_n`)."""
     return dataclasses.replace(config, queries_in_n=True)
@@ -102,7 +106,7 @@ def every_option(rng, num_heads):
 @pytest.mark.parametrize("dtype,config", [
     ("bfloat16", THREE_SPLITS), ("float16", ONE_SPLIT), ("bfloat16", TWO_CONSUMERS),
     ("float16", MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=4, num_consumers=2)),
-    ("bfloat16", in_n(THREE_SPLITS)), ("float16", in_n(TWO_CONSUMERS))])
+    ("bfloat16", in_n(THREE_SPLITS)), ("float16", QN_FOUR_STAGES)])
 def test_matches_oracle_and_torch_ref(rng, dtype, config):
     paged = make_paged(rng, lens=[150, 0, 1, 16, 17, 64], num_heads=8, num_kv_heads=2,
                        head_dim=64, block_size=16, dtype=dtype)
@@ -144,7 +148,7 @@ def test_block_sizes(rng, block_size, queries_in_n):
 @pytest.mark.parametrize("which,config", [("alibi_slopes", THREE_SPLITS),
                                           ("sinks", THREE_SPLITS), ("all", THREE_SPLITS),
                                           ("all", TWO_CONSUMERS), ("all", in_n(THREE_SPLITS)),
-                                          ("all", in_n(TWO_CONSUMERS))])  # window, soft-cap: below
+                                          ("all", QN_FOUR_STAGES)])  # window, soft-cap: below
 def test_options(rng, which, config):
     paged = make_paged(rng, lens=[150, 0, 1, 40, 64], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype="bfloat16")
@@ -173,7 +177,7 @@ def test_sliding_window_skips_pages_before_it(rng, window, config):
 @pytest.mark.parametrize("q_dtype,config", [("bfloat16", THREE_SPLITS), ("float16", THREE_SPLITS),
                                             ("bfloat16", TWO_CONSUMERS),
                                             ("bfloat16", in_n(THREE_SPLITS)),
-                                            ("float16", in_n(TWO_CONSUMERS))])
+                                            ("float16", QN_FOUR_STAGES)])
 def test_fp8_cache(rng, q_dtype, config):
     paged = make_paged(rng, lens=[100, 0, 17], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype="float8_e4m3fn", q_dtype=q_dtype)
@@ -355,6 +359,8 @@ def test_config_type_and_fields_are_checked():
         MosaicDecodeConfig(num_consumers=True)
     with pytest.raises(ValueError, match="queries_in_n=1 must be a bool"):
         MosaicDecodeConfig(queries_in_n=1)
+    with pytest.raises(ValueError, match=r"queries_in_n=True, num_consumers=2.*one consumer"):
+        in_n(TWO_CONSUMERS)
     with pytest.raises(ValueError, match="shared memory"):
         jax.eval_shape(functools.partial(
             pp.decode, impl="mosaic", interpret=True,
@@ -575,9 +581,9 @@ LOWERINGS = {
     "queries_in_n_bf16_bk128_st3": dict(config=MosaicDecodeConfig(block_k=128, num_stages=3,
                                                                   queries_in_n=True)),
     "queries_in_n_fp16_g16_every_option": dict(dtype=jnp.float16, options=True, num_heads=32,
-                                               kvh=2, config=in_n(TWO_CONSUMERS)),
+                                               kvh=2, config=QN_FOUR_STAGES),
     "queries_in_n_fp8_every_option": dict(cache_dtype=jnp.float8_e4m3fn, scales=True,
-                                          options=True, config=in_n(TWO_CONSUMERS)),
+                                          options=True, config=QN_FOUR_STAGES),
 }
 
 
@@ -643,7 +649,8 @@ def test_compiled_kernel_at_realistic_shapes(rng, batch, context, dtype, queries
     config = None
     if queries_in_n:
         shape = api.decode_shape(q, k_cache, tables)
-        config = in_n(configs.lookup_mosaic(shape, "NVIDIA H200", 132))
+        config = in_n(dataclasses.replace(configs.lookup_mosaic(shape, "NVIDIA H200", 132),
+                                          num_consumers=1))
     out, lse = pp.decode(*paged.jax(), impl="mosaic", config=config, return_lse=True, **scales)
     ref, ref_lse = pp.decode(*paged.jax(), impl="xla", return_lse=True, **scales)
     out = to_numpy(out).astype(np.float32)
@@ -654,9 +661,10 @@ def test_compiled_kernel_at_realistic_shapes(rng, batch, context, dtype, queries
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_consumers,num_stages,queries_in_n",
-                         [(1, 4, False), (2, 2, False), (1, 4, True), (2, 4, True)])
+                         [(1, 4, False), (2, 2, False), (1, 2, True), (1, 4, True)])
 def test_compiled_kernel_every_option_with_splits(rng, num_consumers, num_stages, queries_in_n):
-    """(2 consumers with 4 stages exceed the shared memory with the queries in M.)"""
+    """(2 consumers with 4 stages exceed the shared memory with the queries in M; the queries in N
+    take one consumer.)"""
     paged = _realistic(rng, 4, 5000, "bfloat16")
     options = every_option(rng, 32)
     options["sliding_window"] = 1500
@@ -674,8 +682,9 @@ def test_bench_mosaic_config_labels():
     from benchmarks import bench_mosaic
     config = MosaicDecodeConfig(block_k=128, num_splits=4, num_stages=2, num_consumers=2)
     assert MosaicDecodeConfig(**bench_mosaic.parse_config(bench.config_label(config))) == config
-    assert bench.config_label(in_n(config)) == "bk128/s4/st2/c2/qn1"
-    assert MosaicDecodeConfig(**bench_mosaic.parse_config("bk128/s4/st2/c2/qn1")) == in_n(config)
+    one = dataclasses.replace(config, num_consumers=1)
+    assert bench.config_label(in_n(one)) == "bk128/s4/st2/c1/qn1"
+    assert MosaicDecodeConfig(**bench_mosaic.parse_config("bk128/s4/st2/c1/qn1")) == in_n(one)
     assert bench_mosaic.parse_config("st4/c2") == {"num_stages": 4, "num_consumers": 2}
     assert bench_mosaic.parse_config("qn0") == {"queries_in_n": False}
     for bad in ("bk64/s1/x2", "bk64/s", "c2/c1", "", "qn2"):

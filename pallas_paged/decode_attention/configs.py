@@ -118,10 +118,12 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
 # NVIDIA H200 (132 SMs), 2026-11-30 (docs/BENCHMARKS.md); only classes where the best candidate
 # beat the heuristic are listed.
 TUNED: dict[str, dict[tuple, DecodeConfig]] = {"NVIDIA H200": {
-    # fp8_b32_ctx4096: 106.3-107.6 us vs 112.3-115.5 us for the entry before (bk128 s1 w4 st2;
-    # 106.3 vs 115.5 us in one run), 2026-12-01, `python -m benchmarks.decode_anatomy`
-    # (docs/BENCHMARKS.md, "fp8 decode: where the kernel waits")
-    ("float8_e4m3fn", 128, 4, 16, 32, 4096): DecodeConfig(block_k=32, num_splits=4, num_warps=2, num_stages=2, fp8_v_at_load=True),
+    # fp8_b32_ctx4096: 96.9 us vs 114.1 us for the entry before (bk32 s4 w2 st2 vl1) in one run,
+    # 2026-12-01, `python -m benchmarks.decode_anatomy`: a K/V ring two tiles deep (5 stages)
+    # (docs/BENCHMARKS.md, "The K/V ring Triton builds")
+    ("float8_e4m3fn", 128, 4, 16, 32, 4096): DecodeConfig(block_k=64, num_splits=2, num_warps=2, num_stages=5, fp8_v_at_load=True),
+    # fp8_b8_ctx16384: 94.6 us vs 122.5 us heuristic (bk128 s8 w4 st2) in the same run
+    ("float8_e4m3fn", 128, 4, 16, 8, 16384): DecodeConfig(block_k=64, num_splits=8, num_warps=2, num_stages=5, fp8_v_at_load=True),
     # d256_b32_ctx4096: 271.3 us vs 378.7 us heuristic (1.40x)
     ("bfloat16", 256, 4, 16, 32, 4096): DecodeConfig(block_k=64, num_splits=1, num_warps=8, num_stages=2),
     # ragged_b64_ctx8192 (lengths uniform in 1..8192): 298.5 us vs 369.4 us heuristic (1.24x)
@@ -165,7 +167,8 @@ class MosaicDecodeConfig:
         head dimension), instead of their M (the group padded to wgmma's minimum of 64 rows).
         For a group of 4 the softmax then works on 8 columns per token instead of 64 rows, the
         accumulator is 8 columns instead of 64 rows, and P is 8 rows instead of 64 in shared
-        memory. Not yet timed on a GPU (docs/BENCHMARKS.md).
+        memory. One consumer warpgroup only (with two, the compiled kernel's results raced).
+        On the H200: bf16 B=32 154.3 -> 141.9 us, fp8 B=32 (4 stages) 208.2 -> 133.6 us.
     """
 
     block_k: int = 64
@@ -182,6 +185,13 @@ class MosaicDecodeConfig:
         if not isinstance(self.queries_in_n, bool):
             raise ValueError(
                 f"MosaicDecodeConfig.queries_in_n={self.queries_in_n!r} must be a bool")
+        if self.queries_in_n and self.num_consumers > 1:
+            # Measured on the H200 (jax 0.11.2): with two consumer warpgroups the compiled kernel's
+            # lse differed from impl="xla" by up to 0.8, run to run (one consumer: 1e-6); the
+            # token reductions of S^T cross warps, and the two warpgroups' reductions race.
+            raise ValueError(
+                f"MosaicDecodeConfig(queries_in_n=True, num_consumers={self.num_consumers}):"
+                " the queries in N take one consumer warpgroup (two race in compiled Mosaic GPU)")
         if self.block_k not in (64, 128):
             raise ValueError(f"MosaicDecodeConfig.block_k={self.block_k} must be 64 or 128")
         if self.num_stages < 2:
@@ -225,8 +235,15 @@ def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDeco
                               num_consumers=num_consumers)
 
 
-# device kind -> shape class -> Mosaic config, measured like TUNED (empty until the H200 run).
-MOSAIC_TUNED: dict[str, dict[tuple, MosaicDecodeConfig]] = {}
+# device kind -> shape class -> Mosaic config, measured like TUNED: `python -m benchmarks.bench_mosaic
+# --config ...` on an NVIDIA H200, 2026-12-01 (docs/BENCHMARKS.md, "the group's queries in the
+# wgmma's N").
+MOSAIC_TUNED: dict[str, dict[tuple, MosaicDecodeConfig]] = {"NVIDIA H200": {
+    # b32_ctx4096: 141.9 us vs 154.3 us heuristic (the queries in M) in one run
+    ("bfloat16", 128, 4, 16, 32, 4096): MosaicDecodeConfig(block_k=128, num_splits=1, num_stages=2, queries_in_n=True),
+    # fp8_b32_ctx4096: 133.6 us vs 208.2 us heuristic (2 consumers, 2 stages) in one run
+    ("float8_e4m3fn", 128, 4, 16, 32, 4096): MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=4, num_consumers=1, queries_in_n=True),
+}}
 
 
 def lookup_mosaic(shape: DecodeShape, device_kind: str, sm_count: int) -> MosaicDecodeConfig:
