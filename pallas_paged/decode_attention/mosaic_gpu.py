@@ -250,6 +250,7 @@ def _paged_decode_kernel(
     query_axis = 1 if queries_in_n else 0
     token_axis = 1 - query_axis
     score_shape = (block_k, q_rows) if queries_in_n else (q_rows, block_k)
+    acc_shape = (head_dim, q_rows) if queries_in_n else (q_rows, head_dim)  # O^T or O
 
     def per_query(vector, shape):
         """f32[q_rows] broadcast along the other axis of ``shape``."""
@@ -420,8 +421,7 @@ def _paged_decode_kernel(
             acc = acc * per_query(alpha, acc.shape) + pv_tile
             return acc, m_next, l_next
 
-        carry = (jnp.zeros((head_dim, q_rows) if queries_in_n else (q_rows, head_dim),
-                           jnp.float32),
+        carry = (jnp.zeros(acc_shape, jnp.float32),
                  jnp.full((q_rows,), -jnp.inf, jnp.float32),
                  jnp.zeros((q_rows,), jnp.float32))
         my_tiles = (num_tiles - c + num_consumers - 1) // num_consumers  # >= 0
@@ -478,8 +478,7 @@ def _paged_decode_kernel(
         smem((consumers, block_k, head_dim), compute_dtype, mma_operand=True) if convert else None,
         smem((consumers, q_rows, block_k), compute_dtype, mma_operand=True),
         smem((q_rows,), jnp.float32, mma_operand=False) if alibi_ref is not None else None,
-        smem((consumers, head_dim, q_rows) if queries_in_n else (consumers, q_rows, head_dim),
-             jnp.float32, mma_operand=False),
+        smem((consumers,) + acc_shape, jnp.float32, mma_operand=False),
         smem((consumers, 2, q_rows), jnp.float32, mma_operand=False),
         plgpu.Barrier(num_arrivals=1 if alibi_ref is None else 2),  # q (and the slopes)
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
