@@ -170,6 +170,18 @@ def parse_config_label(label: str, fields: dict, flags: tuple = ()) -> dict:
     return values
 
 
+# `config_label`'s parts of a `DecodeConfig`: prefix -> field (the 0/1 flags in DECODE_CONFIG_FLAGS)
+DECODE_CONFIG_PARTS = {"bk": "block_k", "s": "num_splits", "w": "num_warps", "st": "num_stages",
+                       "vl": "fp8_v_at_load", "mk": "merge_in_kernel", "pr": "fp8_pairs"}
+DECODE_CONFIG_FLAGS = ("fp8_v_at_load", "merge_in_kernel", "fp8_pairs")
+
+
+def parse_decode_config(label: str) -> dict:
+    """``"bk32/w2/vl1"`` (parts of `config_label`'s form for a `DecodeConfig`, any subset) ->
+    ``{"block_k": 32, "num_warps": 2, "fp8_v_at_load": True}``."""
+    return parse_config_label(label, DECODE_CONFIG_PARTS, flags=DECODE_CONFIG_FLAGS)
+
+
 def _short(text: str, n: int = 60) -> str:
     line = " ".join(str(text).split())
     return line if len(line) <= n else line[: n - 3] + "..."
@@ -300,7 +312,8 @@ def config_label(c: DecodeConfig | MosaicDecodeConfig) -> str:
         return (f"bk{c.block_k}/s{c.num_splits}/st{c.num_stages}/c{c.num_consumers}"
                 + ("/qn1" if c.queries_in_n else ""))
     return (f"bk{c.block_k}/s{c.num_splits}/w{c.num_warps}/st{c.num_stages}"
-            + ("/vl1" if c.fp8_v_at_load else ""))
+            + ("/vl1" if c.fp8_v_at_load else "") + ("/mk1" if c.merge_in_kernel else "")
+            + ("/pr1" if c.fp8_pairs else ""))
 
 
 def abstract_args(shape: DecodeBenchShape) -> tuple:
@@ -409,16 +422,22 @@ def tune_stage1(shape: DecodeBenchShape, base: DecodeConfig, heuristic: DecodeCo
     return out
 
 
+# The fp8 operand paths stage 2 tries: the V tile converted in the dot operand's read, at load
+# (`DecodeConfig.fp8_v_at_load`), K and V read as column pairs (`DecodeConfig.fp8_pairs`).
+FP8_PATHS = (dict(fp8_v_at_load=False, fp8_pairs=False), dict(fp8_v_at_load=True, fp8_pairs=False),
+             dict(fp8_v_at_load=False, fp8_pairs=True))
+
+
 def tune_stage2(shape: DecodeBenchShape, best: DecodeConfig) -> list:
-    """num_warps x num_stages at the best (block_k, num_splits); for fp8 caches 2 warps too,
-    each with and without `DecodeConfig.fp8_v_at_load` (small tiles of few warps were the
-    fastest with it on the H200). Stages: one of each K/V ring depth
-    (`pallas_triton.kv_ring_depth`: 4 compiles to the program of 3, 6 to that of 5), and 2,
-    where the table load is not pipelined."""
+    """num_warps x num_stages at the best (block_k, num_splits): 4 and 8 warps, for fp8 caches
+    2 and 4 (8 ran 1.3-1.9x slower there on the H200), each with every path of `FP8_PATHS`.
+    Stages: one of each K/V ring depth (`pallas_triton.kv_ring_depth`: 4 compiles to the program
+    of 3, 6 to that of 5), and 2, where the table load is not pipelined."""
     fp8 = shape.cache_itemsize == 1
-    return [dataclasses.replace(best, num_warps=w, num_stages=st, fp8_v_at_load=at_load)
-            for w in ((2, 4, 8) if fp8 else (4, 8)) for st in TUNE_STAGES
-            for at_load in ((False, True) if fp8 else (best.fp8_v_at_load,))
+    paths = FP8_PATHS if fp8 else (dict(fp8_v_at_load=best.fp8_v_at_load,
+                                        fp8_pairs=best.fp8_pairs),)
+    return [dataclasses.replace(best, num_warps=w, num_stages=st, **path)
+            for w in ((2, 4) if fp8 else (4, 8)) for st in TUNE_STAGES for path in paths
             if _tile_bytes(best.block_k, shape, st) <= SMEM_BYTES]
 
 
@@ -1104,7 +1123,8 @@ def tuned_snippet(doc: dict) -> str:
         entry = (f"    {key!r}: DecodeConfig(block_k={best.block_k}, num_splits={best.num_splits},"
                  f" num_warps={best.num_warps}, num_stages={best.num_stages}"
                  + (", merge_in_kernel=True" if best.merge_in_kernel else "")
-                 + (", fp8_v_at_load=True" if best.fp8_v_at_load else "") + f"),  # {comment}")
+                 + (", fp8_v_at_load=True" if best.fp8_v_at_load else "")
+                 + (", fp8_pairs=True" if best.fp8_pairs else "") + f"),  # {comment}")
         prefix = None
         if rec["shape"].get("sliding_window") is not None:
             prefix = "windowed shape: its class also covers full attention"

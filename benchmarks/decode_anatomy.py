@@ -1,10 +1,12 @@
 """Where the time of one decode call goes: the Triton kernel's call timed in pieces and against
 stripped-down kernels that read the same bytes, each as a fraction of the same run's copy bandwidth.
 
-Run ``python -m benchmarks.decode_anatomy [--shapes a,b] [--configs a] [--only x,y] [--json PATH]
-[--smoke]`` (``--configs``: only these shapes get the config variants; ``--only``: only the
-variants whose label contains one of these substrings, e.g. ``decode``, or equals one written
-``=label``, e.g. ``=decode``; default shapes:
+Run ``python -m benchmarks.decode_anatomy [--shapes a,b] [--configs a] [--only x,y] [--config
+LABEL ...] [--json PATH] [--smoke]`` (``--configs``: only these shapes get the config variants;
+``--only``: only the variants whose label contains one of these substrings, e.g. ``decode``, or
+equals one written ``=label``, e.g. ``=decode``; ``--config bk64/s16/st9/mk1`` (repeatable,
+`benchmarks.bench.config_label`'s parts, any subset): also time each shape's default config with
+those fields, row ``decode LABEL``; default shapes:
 ``b1_ctx32768``, ``fp8_b32_ctx4096``, ``b32_ctx4096`` from `benchmarks.shapes`). For each shape:
 
 - ``decode``: `pallas_paged.decode` with the config it picks (the reference time);
@@ -51,7 +53,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 import pallas_paged as pp
-from benchmarks.bench import ROTATE_BYTES, Settings, compare, per_call, smoke_settings
+from benchmarks.bench import (ROTATE_BYTES, Settings, compare, config_label, parse_decode_config,
+                              per_call, smoke_settings)
 from benchmarks.timing import (describe_error, jsonable, kernel_variant, libdevice_exp_variant,
                                measure, measure_copy_bandwidth)
 from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
@@ -70,7 +73,9 @@ def config_variants(default: pp.DecodeConfig, fp8: bool, pairs: int) -> list:
     """Configs around ``default`` for a shape of ``pairs`` (sequence, kv head) pairs, the most
     telling first (a run may stop early).
 
-    First K/V rings two tiles deep (``num_stages=5``): `pallas_triton.kv_ring_depth` says that
+    For fp8 caches first the K and V tiles read as column pairs (`DecodeConfig.fp8_pairs`: every
+    dot operand 16-bit) with K/V rings two and three tiles deep. Then K/V rings two tiles deep
+    (``num_stages=5``): `pallas_triton.kv_ring_depth` says that
     stages 2 to 4 all keep one K/V tile in flight per program, issued only after the tile before was
     consumed (the stage sweeps of 2026-12-01 measured no difference between them), and ``python -m
     benchmarks.triton_sass`` counts the K/V bytes in flight per multiprocessor that each config can
@@ -87,7 +92,12 @@ def config_variants(default: pp.DecodeConfig, fp8: bool, pairs: int) -> list:
         return 1 << max(0, round(math.log2(max(programs / max(pairs, 1), 1))))
 
     out = []
-    if fp8:
+    if fp8:  # first the column pairs (`DecodeConfig.fp8_pairs`) with rings 2 and 3 deep
+        out += [pp.DecodeConfig(block_k=block_k, num_splits=splits(programs), num_warps=warps,
+                                num_stages=stages, fp8_pairs=True)
+                for block_k, programs, warps, stages in ((64, 512, 2, 5), (64, 512, 4, 5),
+                                                         (64, 512, 2, 7), (64, 512, 4, 7),
+                                                         (128, 256, 4, 7), (32, 1024, 2, 5))]
         out += [pp.DecodeConfig(block_k=block_k, num_splits=splits(programs), num_warps=warps,
                                 num_stages=5, fp8_v_at_load=True)
                 for block_k, programs, warps in ((64, 512, 4), (64, 512, 2), (128, 256, 4),
@@ -236,7 +246,10 @@ def contiguous_tables(tables: np.ndarray, block_size: int, lens: np.ndarray) -> 
 
 
 def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
-              with_configs: bool = True, only: tuple[str, ...] = ()) -> list:
+              with_configs: bool = True, only: tuple[str, ...] = (),
+              named: tuple[dict, ...] = ()) -> list:
+    """Every row of one shape; ``named``: `parse_decode_config` fields, each timed over the
+    default config as ``decode LABEL`` (after the default, before the other variants)."""
     shape = shape_by_name(name)
     copies = s.copies or rotation_copies(shape, min_bytes=ROTATE_BYTES, max_copies=s.max_copies)
     inputs = make_decode_inputs(shape, seed=0, copies=copies)
@@ -314,6 +327,9 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
     print(f"[{name}] {shape.describe()}: {nbytes / 1e6:.1f} MB, {copies} copies,"
           f" default {default}", flush=True)
     timed("decode", decode_fn(default), check=True, config=default)
+    for fields in named:
+        config = dataclasses.replace(default, **fields)
+        timed(f"decode {config_label(config)}", decode_fn(config), check=True, config=config)
     timed("decode, contiguous pages", decode_fn(default), tables_of=contiguous, check=True,
           config=default)
     with kernel_variant(libdevice_exp_variant()):  # the softmax's exp as before softmax_exp
@@ -360,7 +376,7 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
     pairs = shape.batch * shape.num_kv_heads
     for config in config_variants(default, shape.is_fp8, pairs) if with_configs else ():
         label = (f"decode {config_words(config)}" + (" merged" if config.merge_in_kernel else "")
-                 + (" vl" if config.fp8_v_at_load else ""))
+                 + (" vl" if config.fp8_v_at_load else "") + (" pairs" if config.fp8_pairs else ""))
         timed(label, decode_fn(config), check=True, config=config)
     return rows
 
@@ -373,6 +389,9 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default=None,
                         help="comma-separated substrings: only the variants whose label has one"
                              " (=LABEL: exactly that label)")
+    parser.add_argument("--config", action="append", default=[], type=parse_decode_config,
+                        help="bk64/s16/st9/mk1 (any subset): also time the default config with"
+                             " these fields (repeatable)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes in interpret mode (the plumbing, not the speed)")
@@ -386,7 +405,7 @@ def main(argv=None) -> int:
     for name in names:
         with_configs = args.configs is None or name in args.configs.split(",")
         rows += run_shape(name, s, copy["tbps"], interpret, with_configs,
-                          tuple(args.only.split(",")) if args.only else ())
+                          tuple(args.only.split(",")) if args.only else (), tuple(args.config))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(jsonable({"device": jax.devices()[0].device_kind, "copy": copy,

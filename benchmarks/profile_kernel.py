@@ -7,7 +7,7 @@ r"""A few calls of one named shape's kernel, for a profiler to look at (Nsight C
 
 ``--shape`` names a decode shape of `benchmarks.shapes` (runs `pallas_paged.decode`) or a ragged
 one of `benchmarks.bench_ragged.SHAPES` (runs `pallas_paged.paged_attention`), with the config
-the call picks, or ``--impl``. The script runs ``--calls`` calls and prints the names of the
+the call picks (for decode, ``--config bk64/pr1`` replaces those fields of it), or ``--impl``. The script runs ``--calls`` calls and prints the names of the
 kernels in the program (the profiler's ``--kernel-name`` filter). Nothing is timed here: read the
 profiler's report.
 """
@@ -15,24 +15,37 @@ profiler's report.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import jax
 
 import pallas_paged as pp
 from benchmarks import bench_ragged
+from benchmarks.bench import parse_decode_config
 from benchmarks.shapes import make_decode_inputs, shape_by_name
+from pallas_paged._platform import device_kind, sm_count
+from pallas_paged.decode_attention import configs
+from pallas_paged.decode_attention.api import decode_shape
 
 
-def decode_call(name: str, impl: str):
-    """``(description, jitted fn, args)`` of one decode call on shape ``name``'s inputs."""
+def decode_call(name: str, impl: str, fields: dict | None = None):
+    """``(description, jitted fn, args)`` of one decode call on shape ``name``'s inputs; with
+    ``fields`` (`benchmarks.bench.parse_decode_config`'s), the config ``decode`` picks with
+    those fields replaced."""
     shape = shape_by_name(name)
     inputs = make_decode_inputs(shape, seed=0)
     scales = {} if inputs.k_scale is None else dict(k_scale=inputs.k_scale,
                                                    v_scale=inputs.v_scale)
+    config = None
+    if fields:
+        picked = configs.lookup(decode_shape(inputs.q[0], inputs.k_cache, inputs.block_tables[0]),
+                                device_kind(), sm_count())
+        config = dataclasses.replace(picked, **fields)
     fn = jax.jit(lambda q, t: pp.decode(q, inputs.k_cache, inputs.v_cache, t,
-                                        inputs.context_lens, impl=impl, **scales))
-    return shape.describe(), fn, (inputs.q[0], inputs.block_tables[0])
+                                        inputs.context_lens, impl=impl, config=config, **scales))
+    return shape.describe() + ("" if config is None else f", {config}"), fn, (
+        inputs.q[0], inputs.block_tables[0])
 
 
 RAGGED_SHAPES = {shape.name: shape for shape in bench_ragged.SHAPES}
@@ -53,9 +66,15 @@ def main(argv=None) -> int:
                         " benchmarks.bench_ragged.SHAPES")
     parser.add_argument("--impl", default="pallas")
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--config", type=parse_decode_config, default=None,
+                        help="decode shapes: bk64/pr1 (any subset) over the config decode picks")
     args = parser.parse_args(argv)
-    call = ragged_call if args.shape in RAGGED_SHAPES else decode_call
-    describe, fn, call_args = call(args.shape, args.impl)
+    if args.shape in RAGGED_SHAPES:
+        if args.config:
+            parser.error("--config applies to decode shapes")
+        describe, fn, call_args = ragged_call(args.shape, args.impl)
+    else:
+        describe, fn, call_args = decode_call(args.shape, args.impl, args.config)
     print(f"{args.shape}: {describe}, impl={args.impl}")
     text = fn.lower(*call_args).as_text()
     print(text.count("pallas_paged"), "mention(s) of pallas_paged kernels in the program")

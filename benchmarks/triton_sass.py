@@ -17,7 +17,7 @@ Triton, so the counts here are a prediction to check with Nsight Compute there (
 of 2026-12-01 they agreed: 254 registers here, 255 there, one ``LDS.U8`` per V byte in both).
 
 ``--config``: parts of `benchmarks.bench.config_label`'s form (``bk<int>/s<int>/w<int>/st<int>``,
-``vl1`` for `DecodeConfig.fp8_v_at_load`; for ragged shapes `benchmarks.bench_ragged`'s, with
+``vl1`` for `DecodeConfig.fp8_v_at_load`, ``mk1`` for ``merge_in_kernel``; for ragged shapes `benchmarks.bench_ragged`'s, with
 ``bq``, ``sq``), any subset, over the config the kernel picks for the shape on an NVIDIA H200;
 repeatable (one summary line per config). ``--out``: keep
 ``kernel.ttir``, ``.ttgir``, ``.ptx``, ``.cubin`` and ``.sass`` there (one config).
@@ -49,7 +49,7 @@ import jax.numpy as jnp
 
 import pallas_paged as pp
 from benchmarks import bench_ragged
-from benchmarks.bench import abstract_args, config_label, parse_config_label
+from benchmarks.bench import abstract_args, config_label, parse_decode_config
 from benchmarks.shapes import shape_by_name
 from pallas_paged.decode_attention import configs
 from pallas_paged.decode_attention.api import decode_shape
@@ -57,8 +57,6 @@ from pallas_paged.decode_attention.pallas_triton import kv_ring_depth
 from pallas_paged.ragged_attention import configs as ragged_configs
 from pallas_paged.ragged_attention.api import attention_shape
 
-CONFIG_PARTS = {"bk": "block_k", "s": "num_splits", "w": "num_warps", "st": "num_stages",
-                "vl": "fp8_v_at_load"}
 TARGET_DEVICE = ("NVIDIA H200", 132)  # the device kind and SM count whose config is the base
 _SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)")
 _SASS_INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -81,7 +79,7 @@ def parse_config(label: str, shape_name: str | None = None) -> dict:
     ragged shape, `benchmarks.bench_ragged.parse_config`'s fields)."""
     if shape_name is not None and ragged_shape(shape_name) is not None:
         return bench_ragged.parse_config(label)
-    return parse_config_label(label, CONFIG_PARTS, flags=("fp8_v_at_load",))
+    return parse_decode_config(label)
 
 
 def _ragged_args(shape) -> tuple:

@@ -205,12 +205,13 @@ def test_tune_candidates_are_bounded(shape):
     assert len(stage3) <= 3
     assert len(set(stage2)) == len(stage2)
     # one config per K/V ring depth, not two programs of one depth (4 stages compile as 3)
-    depths = {(c.num_warps, c.fp8_v_at_load, c.num_stages): kv_ring_depth(c.num_stages)
-              for c in stage2}
+    depths = {(c.num_warps, c.fp8_v_at_load, c.fp8_pairs, c.num_stages):
+              kv_ring_depth(c.num_stages) for c in stage2}
     assert {c.num_stages for c in stage2} <= set(bench.TUNE_STAGES)
     assert {kv_ring_depth(st) for st in bench.TUNE_STAGES} == {0, 1, 2, 3}
     assert len(depths) == len(stage2)
     assert any(c.fp8_v_at_load for c in stage2) == (shape.cache_itemsize == 1)
+    assert any(c.fp8_pairs for c in stage2) == (shape.cache_itemsize == 1)
     assert {c.block_k for c in stage1} <= {16, 32, 64, 128}
     assert len(set(stage1)) == len(stage1)
 
@@ -233,7 +234,8 @@ def test_tuned_snippet_is_python():
                                                num_stages=3)}
 
 
-@pytest.mark.parametrize("flags", [dict(merge_in_kernel=True), dict(fp8_v_at_load=True)])
+@pytest.mark.parametrize("flags", [dict(merge_in_kernel=True), dict(fp8_v_at_load=True),
+                                   dict(fp8_pairs=True)])
 def test_tuned_snippet_keeps_the_boolean_fields(flags):
     best = dict(block_k=64, num_splits=64, num_warps=4, num_stages=2, **flags)
     rec = {"name": "b1_ctx32768", "shape": {"sliding_window": None},
@@ -259,6 +261,24 @@ def test_decode_anatomy_smoke_runs_only_the_chosen_variants(tmp_path):
                                             "decode, libdevice expf",
                                             "empty kernel (launch only)"]
     assert all(r["status"] == "ok" and r["median_us"] > 0 for r in rows)
+
+
+def test_decode_anatomy_times_named_configs_over_the_default(tmp_path):
+    from benchmarks import decode_anatomy
+
+    path = tmp_path / "anatomy.json"
+    code = decode_anatomy.main(["--smoke", "--shapes", "small_b2_ctx64", "--configs", "none",
+                                "--only", "=decode,st3", "--config", "bk16/s2/st3/mk1",
+                                "--json", str(path)])
+    assert code == 0
+    [default, named] = json.loads(path.read_text())["rows"]
+    assert default["variant"] == "decode"
+    assert named["config"] == {**default["config"], "block_k": 16, "num_splits": 2,
+                               "num_stages": 3, "merge_in_kernel": True}
+    assert named["variant"] == "decode " + bench.config_label(DecodeConfig(**named["config"]))
+    assert named["status"] == "ok" and named["rel_err"] < 1e-2
+    with pytest.raises(SystemExit):
+        decode_anatomy.main(["--smoke", "--config", "bk16/zz3"])
 
 
 @pytest.mark.parametrize("parse,label,expected", [
@@ -715,17 +735,22 @@ def test_ncu_opcodes_sums_the_source_page_by_opcode(tmp_path):
 @pytest.mark.parametrize("label,expected", [
     ("bk32/s4/w2/st2/vl1", dict(block_k=32, num_splits=4, num_warps=2, num_stages=2,
                                 fp8_v_at_load=True)),
-    ("vl0", dict(fp8_v_at_load=False))])
-def test_triton_sass_config_labels_round_trip(label, expected):
+    ("vl0", dict(fp8_v_at_load=False)),
+    ("s16/st9/mk1", dict(num_splits=16, num_stages=9, merge_in_kernel=True)),
+    ("bk64/pr1", dict(block_k=64, fp8_pairs=True))])
+def test_decode_config_labels_round_trip(label, expected):
     from benchmarks import triton_sass
+    assert bench.parse_decode_config(label) == expected
     assert triton_sass.parse_config(label) == expected
     config = DecodeConfig(**{**dict(block_k=64, num_splits=1, num_warps=4, num_stages=2),
                              **expected})
-    assert triton_sass.parse_config(bench.config_label(config)) == {
-        k: v for k, v in dataclasses.asdict(config).items()
-        if k != "merge_in_kernel" and (k != "fp8_v_at_load" or v)}
+    flags = ("merge_in_kernel", "fp8_v_at_load", "fp8_pairs")
+    assert bench.parse_decode_config(bench.config_label(config)) == {
+        k: v for k, v in dataclasses.asdict(config).items() if k not in flags or v}
     with pytest.raises(ValueError, match="vl takes 0 or 1"):
-        triton_sass.parse_config("vl2")
+        bench.parse_decode_config("vl2")
+    with pytest.raises(ValueError, match="mk takes 0 or 1"):
+        bench.parse_decode_config("mk3")
 
 
 def test_kv_ring_depth_follows_the_stages_split_between_table_and_tile_loads():
@@ -833,6 +858,7 @@ def test_triton_sass_takes_the_decode_kernel_of_the_named_shape():
     from benchmarks import triton_sass
 
     config = triton_sass.kernel_config("fp8_b32_ctx4096", {"fp8_v_at_load": True,
+                                                            "fp8_pairs": False,
                                                             "num_stages": 2})
     ir_text = triton_sass.triton_ir("fp8_b32_ctx4096", config)
     head = ir_text.split("\n", 1)[0]
@@ -855,3 +881,26 @@ def test_triton_sass_takes_the_decode_kernel_of_the_named_shape():
                                       tempfile.mkdtemp())
     assert result["ring_depths"] == [kv_ring_depth(5)] * 2 == [2, 2]
     assert result["copies_left_in_flight"] > 0  # the next tile's copies stay in flight
+
+
+def test_fp8_pairs_give_every_dot_16_bit_operand_layouts():
+    """With `DecodeConfig.fp8_pairs` the fp8 kernel has four dots (each of half the head
+    dimension) whose operands Triton lays out two elements per register along K (``kWidth =
+    2``), as for a bf16 cache, where the fp8 tiles loaded as bytes make it four."""
+    pytest.importorskip("triton")
+    import tempfile
+    from benchmarks import triton_sass
+
+    def compiled(fields):
+        config = triton_sass.kernel_config("fp8_b32_ctx4096", fields)
+        ir_text = triton_sass.triton_ir("fp8_b32_ctx4096", config)
+        out = tempfile.mkdtemp()
+        triton_sass.compile_sass(ir_text, config, out)
+        with open(os.path.join(out, "kernel.ttgir")) as f:
+            return ir_text, set(re.findall(r"kWidth = (\d+)", f.read()))
+
+    ir_text, widths = compiled({"fp8_pairs": True})
+    assert ir_text.split("\n", 1)[0].rstrip(" {").endswith("_pairs")
+    assert ir_text.count("tt.dot ") == 4 and "cvt.rn.f16x2.e4m3x2" in ir_text
+    assert widths == {"2"}
+    assert compiled({"fp8_pairs": False, "fp8_v_at_load": True})[1] == {"4"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -112,26 +113,75 @@ def test_fp8_cache_with_every_option(rng, impl):
                          return_lse=True, **options(rng, 4, "all"))
 
 
+# The fp8 operand paths of the Triton kernel: V converted in the dot operand's read, V
+# converted at load, K and V read as column pairs (`DecodeConfig.fp8_v_at_load`, `fp8_pairs`).
+FP8_PATHS = {"v_in_operand_read": {}, "v_at_load": dict(fp8_v_at_load=True),
+             "pairs": dict(fp8_pairs=True)}
+
+
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("at_load", [False, True], ids=["v_in_operand_read", "v_at_load"])
-def test_fp8_cache_with_padded_head_dim(rng, impl, at_load):
-    """head_dim 40: the kernel's tiles pad it to 64 columns, which `value_tile_for_dot`
-    multiplies by 0 with ``fp8_v_at_load`` (the masked load has zeroed them)."""
+@pytest.mark.parametrize("path", FP8_PATHS)
+@pytest.mark.parametrize("head_dim", [40, 33])
+def test_fp8_cache_with_padded_head_dim(rng, impl, path, head_dim):
+    """head_dim 40 and 33: the kernel's tiles pad them to 64 columns, which `value_tile_for_dot`
+    multiplies by 0 with ``fp8_v_at_load`` (the masked load has zeroed them), and which
+    ``fp8_pairs`` reads as 32 words, 20 of them the head's; an odd head_dim has no column pairs,
+    and ``fp8_pairs`` has no effect there."""
     paged = make_paged(rng, lens=[19, 4], num_heads=4, num_kv_heads=2, block_size=4,
-                       dtype="float8_e4m3fn", head_dim=40)
-    config = pp.DecodeConfig(block_k=16, num_splits=2, num_warps=2, fp8_v_at_load=at_load)
+                       dtype="float8_e4m3fn", head_dim=head_dim)
+    config = pp.DecodeConfig(block_k=16, num_splits=2, num_warps=2, **FP8_PATHS[path])
     assert_matches_torch(paged, impl, "float8_e4m3fn", k_scale=0.5, v_scale=1.5,
                          return_lse=True, config=config if impl == "pallas" else None)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_fp8_v_at_load_with_every_option(rng, impl):
+@pytest.mark.parametrize("path", ["v_at_load", "pairs"])
+@pytest.mark.parametrize("merge_in_kernel", [False, True], ids=["merge_kernel", "merged"])
+def test_fp8_paths_with_every_option(rng, impl, path, merge_in_kernel):
     paged = make_paged(rng, lens=[21, 3, 0], num_heads=4, num_kv_heads=2, block_size=4,
                        dtype="float8_e4m3fn")
-    config = pp.DecodeConfig(block_k=16, num_splits=3, fp8_v_at_load=True)
+    config = pp.DecodeConfig(block_k=16, num_splits=3, merge_in_kernel=merge_in_kernel,
+                             **FP8_PATHS[path])
     assert_matches_torch(paged, impl, "float8_e4m3fn", k_scale=0.25, v_scale=0.75,
                          return_lse=True, config=config if impl == "pallas" else None,
                          **options(rng, 4, "all"))
+
+
+def every_fp8_pair():
+    """u16[256, 256]: every pair of e4m3 bytes as a little-endian word (row: the odd column's
+    byte, column: the even one's), and the two bytes' fp16 values."""
+    even = np.broadcast_to(np.arange(256, dtype=np.uint16)[None, :], (256, 256))
+    odd = np.broadcast_to(np.arange(256, dtype=np.uint16)[:, None], (256, 256))
+    as_f16 = lambda byte: byte.astype(np.uint8).view(jnp.float8_e4m3fn).astype(np.float16)  # noqa: E731
+    return (odd << 8) | even, as_f16(even), as_f16(odd)
+
+
+def test_fp8_pairs_to_f16_keeps_every_pair_in_interpret_mode():
+    from pallas_paged.decode_attention.pallas_triton import fp8_pairs_to_f16
+    words, want_even, want_odd = every_fp8_pair()
+    even, odd = fp8_pairs_to_f16(jnp.asarray(words), interpret=True)
+    np.testing.assert_array_equal(np.asarray(even), want_even)  # NaN positions equal too
+    np.testing.assert_array_equal(np.asarray(odd), want_odd)
+
+
+@pytest.mark.gpu
+def test_fp8_pairs_to_f16_keeps_every_pair_compiled():
+    """The PTX conversion (``cvt.rn.f16x2.e4m3x2``) in a Pallas Triton kernel, bit for bit."""
+    from jax.experimental import pallas as pl
+    from pallas_paged.decode_attention.pallas_triton import fp8_pairs_to_f16
+    words, want_even, want_odd = every_fp8_pair()
+
+    def kernel(words_ref, even_ref, odd_ref):  # u16[16, 256] -> f16[16, 256] x 2, per program
+        even_ref[...], odd_ref[...] = fp8_pairs_to_f16(words_ref[...], interpret=False)
+
+    spec = pl.BlockSpec((16, 256), lambda i: (i, 0))
+    out = jax.ShapeDtypeStruct(words.shape, jnp.float16)
+    even, odd = pl.pallas_call(kernel, grid=(16,), in_specs=[spec], out_specs=[spec, spec],
+                               out_shape=[out, out])(jnp.asarray(words))
+    for got, want in ((np.asarray(even), want_even), (np.asarray(odd), want_odd)):
+        nan = np.isnan(want)  # a NaN's payload is the hardware's choice
+        np.testing.assert_array_equal(np.isnan(got), nan)
+        np.testing.assert_array_equal(got[~nan].view(np.uint16), want[~nan].view(np.uint16))
 
 
 def test_value_tile_for_dot_keeps_every_fp8_value():

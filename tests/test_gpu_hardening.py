@@ -190,12 +190,14 @@ def test_garbage_lengths_are_clamped(garbage, run):
                      "clamped lengths")
 
 
-def test_garbage_fp8_table_tails_are_never_read(garbage):
+@pytest.mark.parametrize("config", [C(32, 2), C(32, 2, fp8_v_at_load=True),
+                                    C(64, 2, num_stages=5, fp8_pairs=True)], ids=str)
+def test_garbage_fp8_table_tails_are_never_read(garbage, config):
     g = garbage
     rng = np.random.default_rng(1)
     k8 = rng.standard_normal(g["paged"].k_cache.shape).astype(FP8)
     v8 = rng.standard_normal(g["paged"].k_cache.shape).astype(FP8)
-    run, scales = ("pallas", C(32, 2)), dict(k_scale=0.5, v_scale=0.25)
+    run, scales = ("pallas", config), dict(k_scale=0.5, v_scale=0.25)
     clean_tables = np.where(g["used"], g["paged"].block_tables, 0)
     clean = decode_bits(run, g["paged"].jax(k_cache=k8, v_cache=v8, block_tables=clean_tables),
                         **scales)

@@ -48,6 +48,15 @@ class DecodeConfig:
         pays where the tiles are small: on an H200, 32-token tiles with 2 warps ran 1.34x faster
         with it, 128-token tiles with 4 warps 0.97-1.00x (docs/BENCHMARKS.md). No effect on
         16-bit caches.
+      fp8_pairs: with an fp8 cache (and an even head_dim), the K and V rows are read as 16-bit
+        words of two neighbouring head columns each and converted pairwise (PTX
+        ``cvt.rn.f16x2.e4m3x2``) into an even-column and an odd-column fp16 tile; the query is
+        split the same way, and each dot becomes two of half the head dimension. Every dot
+        operand then comes from a 16-bit load, which Triton lays out two elements per register
+        along K, as for bf16 caches; an fp8 load feeding a dot makes it take four, which costs
+        register moves around every MMA, a query reread from shared memory per tile, and a V
+        tile staged with bank conflicts (Nsight Compute on an H200, docs/BENCHMARKS.md). Replaces
+        ``fp8_v_at_load``. No effect on 16-bit caches.
     """
 
     block_k: int = 64
@@ -56,13 +65,14 @@ class DecodeConfig:
     num_stages: int = 2
     merge_in_kernel: bool = False
     fp8_v_at_load: bool = False
+    fp8_pairs: bool = False
 
     def __post_init__(self):
         for name in ("block_k", "num_splits", "num_warps", "num_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DecodeConfig.{name}={value!r} must be a positive int")
-        for name in ("merge_in_kernel", "fp8_v_at_load"):
+        for name in ("merge_in_kernel", "fp8_v_at_load", "fp8_pairs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DecodeConfig.{name}={getattr(self, name)!r} must be a bool")
         if self.block_k < 16 or self.block_k & (self.block_k - 1):
@@ -118,12 +128,17 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
 # NVIDIA H200 (132 SMs), 2026-11-30 (docs/BENCHMARKS.md); only classes where the best candidate
 # beat the heuristic are listed.
 TUNED: dict[str, dict[tuple, DecodeConfig]] = {"NVIDIA H200": {
-    # fp8_b32_ctx4096: 96.9 us vs 114.1 us for the entry before (bk32 s4 w2 st2 vl1) in one run,
-    # 2026-12-01, `python -m benchmarks.decode_anatomy`: a K/V ring two tiles deep (5 stages)
-    # (docs/BENCHMARKS.md, "The K/V ring Triton builds")
-    ("float8_e4m3fn", 128, 4, 16, 32, 4096): DecodeConfig(block_k=64, num_splits=2, num_warps=2, num_stages=5, fp8_v_at_load=True),
-    # fp8_b8_ctx16384: 94.6 us vs 122.5 us heuristic (bk128 s8 w4 st2) in the same run
-    ("float8_e4m3fn", 128, 4, 16, 8, 16384): DecodeConfig(block_k=64, num_splits=8, num_warps=2, num_stages=5, fp8_v_at_load=True),
+    # fp8_b32_ctx4096: 79.2 us vs 93.8 us for the entry before (the same tile, splits, warps and
+    # stages with fp8_v_at_load) in one run, 2026-12-02, `python -m benchmarks.decode_anatomy`:
+    # K and V read as column pairs, every dot operand 16-bit (docs/BENCHMARKS.md, "fp8 decode:
+    # the column pairs"); the entry before had gained 114.1 -> 96.9 us from a K/V ring two tiles
+    # deep (5 stages, "The K/V ring Triton builds")
+    ("float8_e4m3fn", 128, 4, 16, 32, 4096): DecodeConfig(block_k=64, num_splits=2, num_warps=2, num_stages=5, fp8_pairs=True),
+    # fp8_b8_ctx16384: 78.2 us vs 93.7 us for the entry before (with fp8_v_at_load), same run
+    ("float8_e4m3fn", 128, 4, 16, 8, 16384): DecodeConfig(block_k=64, num_splits=8, num_warps=2, num_stages=5, fp8_pairs=True),
+    # b1_ctx32768: 40.5 and 40.1 us vs 42.2 and 42.4 us heuristic (bk64 s64 w4 st2) in two runs,
+    # 2026-12-02: 128 programs of 128-token tiles in a ring two tiles deep, one per multiprocessor
+    ("bfloat16", 128, 4, 16, 1, 32768): DecodeConfig(block_k=128, num_splits=16, num_warps=4, num_stages=5),
     # d256_b32_ctx4096: 271.3 us vs 378.7 us heuristic (1.40x)
     ("bfloat16", 256, 4, 16, 32, 4096): DecodeConfig(block_k=64, num_splits=1, num_warps=8, num_stages=2),
     # ragged_b64_ctx8192 (lengths uniform in 1..8192): 298.5 us vs 369.4 us heuristic (1.24x)

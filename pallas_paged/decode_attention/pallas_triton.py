@@ -101,34 +101,62 @@ def value_tile_for_dot(v, compute_dtype, col_ok, *, at_load: bool):
     return v.astype(compute_dtype) * col_ok.astype(compute_dtype)[None, :]
 
 
-def query_for_dots(q, score_scale, compute_dtype):
-    """A tile of queries in the dots' operand dtype, and the factor its scores take.
+def fp8_pairs_to_f16(words, *, interpret: bool):
+    """u16 words of two e4m3 values each (the even head column in the low byte, as a little-endian
+    view of the fp8 cache's rows) -> ``(even, odd)`` columns, each f16 of the words' shape.
+
+    Compiled: PTX ``cvt.rn.f16x2.e4m3x2``, one instruction per pair (exact: every e4m3 value,
+    NaN included, is an fp16 value). The tiles reach the dots from 16-bit loads, so Triton lays
+    the dots' operands out for 16-bit elements (two per register along K), where an fp8 load
+    feeding a dot makes it take four (`DecodeConfig.fp8_pairs` says what that costs).
+    Interpret mode (no PTX): the bytes split with integer ops and converted by XLA.
+    """
+    if interpret:
+        def convert(byte):
+            return jax.lax.bitcast_convert_type(byte.astype(jnp.uint8),
+                                                jnp.float8_e4m3fn).astype(jnp.float16)
+        return convert(words & 0xFF), convert(words >> 8)
+    def half(unpack):  # one inline assembly per output (the lowering takes one result)
+        [out] = plgpu.elementwise_inline_asm(
+            "{ .reg .b32 pair; .reg .b16 other; cvt.rn.f16x2.e4m3x2 pair, $1; "
+            f"mov.b32 {unpack}, pair; }}", args=[words], constraints="=h,h", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.float16)])
+        return out
+    return half("{$0, other}"), half("{other, $0}")
+
+
+def query_for_dots(qs, score_scale, compute_dtype):
+    """Tiles of queries in the dots' operand dtype, and the factor their scores take.
 
     For fp16 dots over a bf16 (or fp32) query: bf16's range is wider than fp16's, so q is divided
     by a power of two that brings ``max |q|`` under 2**15 (exact), and the scores are multiplied
-    back by it (see `dot_dtype`).
+    back by it (see `dot_dtype`). ``qs`` may hold several tiles of one query (its even and odd
+    head columns, `DecodeConfig.fp8_pairs`): they share the power of two.
 
     Returns:
-      ``(q in compute_dtype, score_scale)``.
+      ``(tuple of the tiles in compute_dtype, score_scale)``.
     """
-    if compute_dtype == jnp.float16 and q.dtype != jnp.float16:
-        q = q.astype(jnp.float32)
-        q_max = jnp.max(jnp.max(jnp.abs(q), axis=1), axis=0)
+    if compute_dtype == jnp.float16 and qs[0].dtype != jnp.float16:
+        qs = tuple(q.astype(jnp.float32) for q in qs)
+        q_max = functools.reduce(jnp.maximum, [jnp.max(jnp.max(jnp.abs(q), axis=1), axis=0)
+                                               for q in qs])
         q_shift = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(q_max / FP16_SAFE_MAX)), 0.0))
-        q = q / q_shift
+        qs = tuple(q / q_shift for q in qs)
         score_scale = score_scale * q_shift
-    return q.astype(compute_dtype), score_scale
+    return tuple(q.astype(compute_dtype) for q in qs), score_scale
 
 
-def with_sink(acc, m, l, sink):
-    """An online softmax's ``(acc, m, l)`` with one more logit ``sink`` per row and no value row.
+def with_sink(accs, m, l, sink):
+    """An online softmax's ``(accs, m, l)`` with one more logit ``sink`` per row and no value row.
 
     Args:
-      acc: ``f32[rows, Dp]``; m, l, sink: ``f32[rows]``.
+      accs: a tuple of ``f32[rows, D]`` accumulators of the rows (the head's columns, or parts of
+        them); m, l, sink: ``f32[rows]``.
     """
     m_total = jnp.maximum(m, sink)
     correction = jnp.exp(m - m_total)
-    return acc * correction[:, None], m_total, l * correction + jnp.exp(sink - m_total)
+    return (tuple(acc * correction[:, None] for acc in accs), m_total,
+            l * correction + jnp.exp(sink - m_total))
 
 
 def _dot_nt(a, b):
@@ -230,6 +258,7 @@ def _paged_decode_kernel(
     window: int | None,
     merge_in_kernel: bool,
     fp8_v_at_load: bool,
+    fp8_pairs: bool,
     interpret: bool,
 ):
     del arrivals_in_ref  # aliased to the arrivals output, which the kernel updates
@@ -244,22 +273,36 @@ def _paged_decode_kernel(
                                          window=window)
 
     rows = jnp.arange(padded_group)  # [Gp]
-    cols = jnp.arange(padded_dim)    # [Dp]
-    row_ok, col_ok = rows < group, cols < head_dim
-    q = plgpu.load(q_ref.at[b, h, rows[:, None], cols[None, :]],
-                   mask=row_ok[:, None] & col_ok[None, :], other=0)  # [Gp, Dp]
+    row_ok = rows < group
+    # The head's columns in `parts` tiles of Dq = Dp / parts: all of them (1), or the even and
+    # the odd ones (2, fp8_pairs: the caches come as u16 words of two columns each).
+    parts = 2 if fp8_pairs else 1
+    words = jnp.arange(padded_dim // parts)  # [Dq]: a word of each part's columns
+    word_ok = words < head_dim // parts  # [Dq]
+    part_cols = [parts * words + part for part in range(parts)]  # [Dq] each: head columns
+    qs = tuple(plgpu.load(q_ref.at[b, h, rows[:, None], c[None, :]],
+                          mask=row_ok[:, None] & word_ok[None, :], other=0)
+               for c in part_cols)  # [Gp, Dq] each
     score_scale = scale if scales_ref is None else scales_ref[0] * scale
-    q, score_scale = query_for_dots(q, score_scale, compute_dtype)
+    qs, score_scale = query_for_dots(qs, score_scale, compute_dtype)
     if alibi_ref is not None:
         slopes = plgpu.load(alibi_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gp]
 
+    def load_tile(ref, slot, kv_mask):
+        """A tile's rows as ``parts`` operand tiles [Tk, Dq] in compute_dtype (not yet for V
+        without fp8_pairs: `value_tile_for_dot`)."""
+        other = 0 if fp8_pairs else 0.0  # u16 words, or the cache's float dtype
+        tile = plgpu.load(ref.at[slot[:, None], h, words[None, :]], mask=kv_mask, other=other)
+        return fp8_pairs_to_f16(tile, interpret=interpret) if fp8_pairs else (tile,)
+
     def tile_body(tile, carry):
-        acc, m_prev, l_prev = carry  # f32[Gp, Dp], f32[Gp], f32[Gp]
+        accs, m_prev, l_prev = carry  # (f32[Gp, Dq],) * parts, f32[Gp], f32[Gp]
         pos, valid, slot = tile_slots(tables_ref, b, tile, first, n, block_k=block_k,
                                       block_size=block_size, num_blocks=num_blocks)
-        kv_mask = valid[:, None] & col_ok[None, :]
-        k = plgpu.load(k_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=0.0)  # [Tk, Dp]
-        s = _dot_nt(q, k.astype(compute_dtype))  # f32[Gp, Tk]
+        kv_mask = valid[:, None] & word_ok[None, :]
+        ks = load_tile(k_ref, slot, kv_mask)  # [Tk, Dq] each
+        s = functools.reduce(jnp.add, [_dot_nt(q, k.astype(compute_dtype))
+                                       for q, k in zip(qs, ks)])  # f32[Gp, Tk]
         s = s * score_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -270,22 +313,25 @@ def _paged_decode_kernel(
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # all -inf so far: keep exp finite
         alpha = softmax_exp(m_prev - m_safe, interpret=interpret)  # f32[Gp]
         p = softmax_exp(s - m_safe[:, None], interpret=interpret)  # f32[Gp, Tk], 0 where masked
-        v = plgpu.load(v_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=0.0)  # [Tk, Dp]
-        v = value_tile_for_dot(v, compute_dtype, col_ok, at_load=fp8_v_at_load)
-        acc = acc * alpha[:, None] + _dot_nn(p.astype(compute_dtype), v)
-        return acc, m_next, l_prev * alpha + p.sum(axis=1)
+        vs = load_tile(v_ref, slot, kv_mask)  # [Tk, Dq] each
+        if not fp8_pairs:
+            vs = (value_tile_for_dot(vs[0], compute_dtype, word_ok, at_load=fp8_v_at_load),)
+        p_dot = p.astype(compute_dtype)
+        accs = tuple(acc * alpha[:, None] + _dot_nn(p_dot, v) for acc, v in zip(accs, vs))
+        return accs, m_next, l_prev * alpha + p.sum(axis=1)
 
-    carry = (jnp.zeros((padded_group, padded_dim), jnp.float32),
+    carry = ((jnp.zeros((padded_group, padded_dim // parts), jnp.float32),) * parts,
              jnp.full((padded_group,), -jnp.inf, jnp.float32),
              jnp.zeros((padded_group,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(tile_lo, tile_hi, tile_body, carry)
+    accs, m, l = jax.lax.fori_loop(tile_lo, tile_hi, tile_body, carry)
     if scales_ref is not None:
-        acc = acc * scales_ref[1]
+        accs = tuple(acc * scales_ref[1] for acc in accs)
 
-    out_mask = row_ok[:, None] & col_ok[None, :]
+    out_mask = row_ok[:, None] & word_ok[None, :]
     if num_splits > 1:
         o_ref, m_ref, l_ref = out_refs[:3]
-        plgpu.store(o_ref.at[b, h, split, rows[:, None], cols[None, :]], acc, mask=out_mask)
+        for acc, c in zip(accs, part_cols):
+            plgpu.store(o_ref.at[b, h, split, rows[:, None], c[None, :]], acc, mask=out_mask)
         plgpu.store(m_ref.at[b, h, split, rows], m, mask=row_ok)
         plgpu.store(l_ref.at[b, h, split, rows], l, mask=row_ok)
         if not merge_in_kernel:
@@ -305,11 +351,12 @@ def _paged_decode_kernel(
 
     if sinks_ref is not None:
         sink = plgpu.load(sinks_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gp]
-        acc, m, l = with_sink(acc, m, l, sink)
+        accs, m, l = with_sink(accs, m, l, sink)
     out_ref, lse_ref = out_refs
-    out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
-    plgpu.store(out_ref.at[b, h, rows[:, None], cols[None, :]], out.astype(out_ref.dtype),
-                mask=out_mask)
+    for acc, c in zip(accs, part_cols):
+        out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+        plgpu.store(out_ref.at[b, h, rows[:, None], c[None, :]], out.astype(out_ref.dtype),
+                    mask=out_mask)
     lse = jnp.where(n > 0, m + jnp.log(l), -jnp.inf)
     plgpu.store(lse_ref.at[b, h, rows], lse, mask=row_ok)
 
@@ -495,7 +542,9 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     group = num_heads // kvh
     splits = config.num_splits
     merge_in_kernel = config.merge_in_kernel and splits > 1
-    fp8_v_at_load = config.fp8_v_at_load and jnp.dtype(v_cache.dtype).itemsize == 1
+    fp8 = jnp.dtype(k_cache.dtype).itemsize == 1
+    fp8_pairs = config.fp8_pairs and fp8 and head_dim % 2 == 0
+    fp8_v_at_load = config.fp8_v_at_load and fp8 and not fp8_pairs
     padded_group = max(MIN_DOT_ROWS, next_power_of_2(group))
     padded_dim = max(16, next_power_of_2(head_dim))
     compute_dtype = dot_dtype(q.dtype, k_cache.dtype)
@@ -504,7 +553,8 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         _paged_decode_kernel, scale=scale, block_size=block_size, block_k=config.block_k,
         num_splits=splits, padded_group=padded_group, padded_dim=padded_dim,
         compute_dtype=compute_dtype, soft_cap=logits_soft_cap, window=sliding_window,
-        merge_in_kernel=merge_in_kernel, fp8_v_at_load=fp8_v_at_load, interpret=interpret)
+        merge_in_kernel=merge_in_kernel, fp8_v_at_load=fp8_v_at_load, fp8_pairs=fp8_pairs,
+        interpret=interpret)
     scales = None if k_scale is None else jnp.stack([k_scale, v_scale]).astype(jnp.float32)
     finals = (jax.ShapeDtypeStruct((batch, kvh, group, head_dim), q.dtype),
               jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32))
@@ -515,18 +565,22 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
                      jax.ShapeDtypeStruct((batch, kvh, splits, group), jnp.float32))
         if merge_in_kernel:
             out_shape += finals + (jax.ShapeDtypeStruct((batch, kvh), jnp.int32),)
+    def slot_major(cache):  # [slots, kvh, head_dim], or u16 words of column pairs
+        if not fp8_pairs:
+            return cache.reshape(num_blocks * block_size, kvh, head_dim)
+        pairs = cache.reshape(num_blocks * block_size, kvh, head_dim // 2, 2)
+        return jax.lax.bitcast_convert_type(pairs, jnp.uint16)
+
     operands = (context_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
-                q.reshape(batch, kvh, group, head_dim),
-                k_cache.reshape(num_blocks * block_size, kvh, head_dim),
-                v_cache.reshape(num_blocks * block_size, kvh, head_dim),
-                per_head(alibi_slopes), per_head(sinks), scales)
+                q.reshape(batch, kvh, group, head_dim), slot_major(k_cache),
+                slot_major(v_cache), per_head(alibi_slopes), per_head(sinks), scales)
     # merge_in_kernel: the arrival counts start at zero and live in the last output's buffer.
     arrivals = jnp.zeros((batch, kvh), jnp.int32) if merge_in_kernel else None
     aliases = {len(jax.tree_util.tree_leaves(operands)): len(out_shape) - 1} if merge_in_kernel \
         else {}
     name = (f"pallas_paged_decode_bk{config.block_k}_s{splits}_g{group}_d{head_dim}"
             f"_bs{block_size}" + ("_merged" if merge_in_kernel else "")
-            + ("_vload" if fp8_v_at_load else ""))
+            + ("_vload" if fp8_v_at_load else "") + ("_pairs" if fp8_pairs else ""))
     outs = pl.pallas_call(
         kernel,
         grid=(batch, kvh, splits),

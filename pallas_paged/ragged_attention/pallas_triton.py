@@ -220,7 +220,7 @@ def _ragged_attention_kernel(
                        mask=row_real[:, None] & col_ok[None, :], other=0)  # [M, Dp]
         # The fp8 dequantization scales enter here (scores) and after the loops (values) only.
         score_scale = scale if scales_ref is None else scales_ref[0] * scale
-        q, score_scale = query_for_dots(q, score_scale, compute_dtype)
+        (q,), score_scale = query_for_dots((q,), score_scale, compute_dtype)
         if alibi_ref is not None:
             slopes = plgpu.load(alibi_ref.at[head], mask=row_real, other=0)  # f32[M]
 
@@ -288,7 +288,7 @@ def _ragged_attention_kernel(
         has_keys = row_real & (row_pos >= 0)  # every real row with p >= 0 sees at least p itself
         if sinks_ref is not None:
             sink = plgpu.load(sinks_ref.at[head], mask=row_real, other=0)  # f32[M]
-            acc, m, l = with_sink(acc, m, l, sink)
+            (acc,), m, l = with_sink((acc,), m, l, sink)
         o_ref, lse_ref = out_refs
         ok = has_keys & (l > 0)
         out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
