@@ -904,3 +904,24 @@ def test_fp8_pairs_give_every_dot_16_bit_operand_layouts():
     assert ir_text.count("tt.dot ") == 4 and "cvt.rn.f16x2.e4m3x2" in ir_text
     assert widths == {"2"}
     assert compiled({"fp8_pairs": False, "fp8_v_at_load": True})[1] == {"4"}
+
+
+@pytest.mark.skipif(mosaic_gpu.jax_version() < mosaic_gpu.MIN_JAX,
+                    reason="plgpu.kernel needs jax >= 0.11.2")
+def test_mosaic_reduce_race_checks_every_variant(capsys):
+    """The two-consumer race's reproducer runs its four variants (one and two warpgroups,
+    reducing over axis 1 and over axis 0) and compares each with numpy; in interpret mode (as on
+    a GPU where Mosaic GPU is right) every tile is exact, so it exits 0."""
+    from benchmarks import mosaic_reduce_race
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("compiled, the outcome is what the reproducer measures")
+    assert mosaic_reduce_race.main(["--iters", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("interpret mode")
+    assert [line.split(":")[0].strip() for line in lines[1:]] == [
+        f"{w} warpgroup(s), axis {axis}" for w in (1, 2) for axis in (1, 0)]
+    assert all(": 0 of" in line for line in lines[1:])
+    one = mosaic_reduce_race.check(2, 0, 1, interpret=True, seed=3)
+    assert one == dict(warpgroups=2, axis=0, tiles=2, wrong_tiles=0,
+                       max_rel_err=one["max_rel_err"]) and one["max_rel_err"] < 1e-6
