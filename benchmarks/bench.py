@@ -92,7 +92,7 @@ from benchmarks.shapes import (ALL_SHAPES, SHAPE_GROUPS, SMALL_SHAPES, DecodeBen
                                  shape_by_name)
 from pallas_paged import quantize_fp8, write_kv
 from parity.oracle import oracle_paged_attention
-from benchmarks.timing import Timing, jsonable, measure, measure_copy_bandwidth
+from benchmarks.timing import Timing, TimerSettings, jsonable, measure, measure_copy_bandwidth
 from benchmarks.timing import describe_error as _error
 
 IMPLS = ("pallas", "mosaic", "xla", "jax_paged_attention", "write")
@@ -121,7 +121,7 @@ IMPL_MARGIN = 1.02              # an IMPL_CHOICE entry needs Mosaic at least thi
 class Settings:
     windows: int = 7             # timed windows per variant (the median is reported)
     window_s: float = 0.010      # target duration of one window
-    warmup_s: float = 0.03       # untimed calls before the windows
+    warmup_s: float = TimerSettings.warmup_s  # untimed calls before the windows
     min_calls: int = 3
     max_calls: int = 2000
     loop_ops: int = 16           # loop mode: at least this many operations per dispatch
