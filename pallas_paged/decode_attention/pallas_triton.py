@@ -7,6 +7,9 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
    group padded to the dot's minimum of 16 rows), so every K/V row is read once per group. It walks
    the tiles of its split that lie below ``ceil(n / block_k)`` (and above the sliding-window
    start), gathering each token's row through the block table, with an online softmax in fp32.
+   An fp8 cache's tiles are converted to fp16 for the dots, or with ``DecodeConfig.fp8_pairs``
+   read as u16 words of two head columns (`fp8_pairs_to_f16`), each dot then split into the
+   even and the odd columns.
 2. `decode_kernel_call` builds the grid ``(batch, num_kv_heads, num_splits)`` and calls
    ``pallas_call``; `decode_pallas` then, when the KV axis is split (flash-decoding), merges the
    partial ``(o, m, l)`` results with a second, small kernel (`merge_splits_pallas`, the Pallas
@@ -238,8 +241,9 @@ def _paged_decode_kernel(
     lens_ref,    # i32[batch]
     tables_ref,  # i32[batch, max_blocks]
     q_ref,       # [batch, num_kv_heads, group, head_dim]
-    k_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (the cache, slot-major)
-    v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]
+    k_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (the cache, slot-major;
+                 #  fp8_pairs: u16[..., head_dim / 2], two columns per word)
+    v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (fp8_pairs: as k_ref)
     alibi_ref,   # f32[num_kv_heads, group] or None
     sinks_ref,   # f32[num_kv_heads, group] or None
     scales_ref,  # f32[2] = (k_scale, v_scale) of an fp8 cache, or None
@@ -289,8 +293,8 @@ def _paged_decode_kernel(
         slopes = plgpu.load(alibi_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gp]
 
     def load_tile(ref, slot, kv_mask):
-        """A tile's rows as ``parts`` operand tiles [Tk, Dq] in compute_dtype (not yet for V
-        without fp8_pairs: `value_tile_for_dot`)."""
+        """A tile's rows as ``parts`` tiles [Tk, Dq]: with fp8_pairs the even and odd columns in
+        fp16, else the rows in the cache's dtype (the caller converts them)."""
         other = 0 if fp8_pairs else 0.0  # u16 words, or the cache's float dtype
         tile = plgpu.load(ref.at[slot[:, None], h, words[None, :]], mask=kv_mask, other=other)
         return fp8_pairs_to_f16(tile, interpret=interpret) if fp8_pairs else (tile,)
