@@ -60,7 +60,7 @@ import numpy as np
 from benchmarks.bench import (Settings, _error, _short, _versions, compare, device_info,
                               measure, measure_copy_bandwidth, parse_config_label,
                               smoke_settings)
-from benchmarks.shapes import random_normal
+from benchmarks.shapes import FP8, FP8_STORE_SCALE, random_normal
 from benchmarks.timing import kernel_variant, libdevice_exp_variant
 from pallas_paged import AttentionConfig, decode, paged_attention
 from pallas_paged._platform import device_kind, sm_count
@@ -82,7 +82,18 @@ class RaggedBenchShape:
     num_kv_heads: int = 8
     head_dim: int = 128
     block_size: int = 16
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # the caches'; q's too, except over fp8 caches (bf16 then)
+
+    @property
+    def query_dtype(self) -> str:
+        return "bfloat16" if self.dtype == FP8 else self.dtype
+
+    @property
+    def scales(self) -> dict:
+        """``k_scale`` / ``v_scale`` for an fp8 cache (as `benchmarks.shapes`'s decode shapes:
+        ``1 / FP8_STORE_SCALE``), else none."""
+        return dict(k_scale=1.0 / FP8_STORE_SCALE, v_scale=1.0 / FP8_STORE_SCALE) \
+            if self.dtype == FP8 else {}
 
     def lengths(self) -> tuple[np.ndarray, np.ndarray]:
         """``(q_lens i64[batch], context_lens i64[batch])`` in batch order."""
@@ -111,6 +122,8 @@ SHAPES = (
     _shape("mixed_4x512c2560_60dec4096", (4, 512, 2560), (60, 1, 4096)),
     _shape("spec_b32_q4_ctx4096", (32, 4, 4096)),
     _shape("decode_b32_ctx4096", (32, 1, 4096)),
+    _shape("fp8_mixed_4x512c2560_60dec4096", (4, 512, 2560), (60, 1, 4096), dtype=FP8),
+    _shape("fp8_decode_b32_ctx4096", (32, 1, 4096), dtype=FP8),
 )
 _TINY = dict(num_heads=4, num_kv_heads=2, head_dim=32, block_size=4)
 SMOKE_SHAPES = (
@@ -137,6 +150,7 @@ class RaggedInputs:
     tables_np: np.ndarray
     lens_np: np.ndarray
     qsl_np: np.ndarray
+    scales: dict            # k_scale / v_scale of an fp8 cache, else empty
 
     def args(self) -> tuple:
         return (self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens,
@@ -158,11 +172,13 @@ def make_inputs(shape: RaggedBenchShape, seed: int) -> RaggedInputs:
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     keys = jax.random.split(jax.random.key(int(rng.integers(0, 2**31 - 1))), 3)
     cache_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-    q = random_normal(keys[0], (int(qsl[-1]), shape.num_heads, shape.head_dim), shape.dtype)
-    k_cache = random_normal(keys[1], cache_shape, shape.dtype)
-    v_cache = random_normal(keys[2], cache_shape, shape.dtype)
+    q = random_normal(keys[0], (int(qsl[-1]), shape.num_heads, shape.head_dim),
+                      shape.query_dtype)
+    store_scale = FP8_STORE_SCALE if shape.dtype == FP8 else 1.0
+    k_cache = random_normal(keys[1], cache_shape, shape.dtype, scale=store_scale)
+    v_cache = random_normal(keys[2], cache_shape, shape.dtype, scale=store_scale)
     return RaggedInputs(q, k_cache, v_cache, jnp.asarray(tables), jnp.asarray(lens, jnp.int32),
-                        jnp.asarray(qsl), tables, lens.astype(np.int32), qsl)
+                        jnp.asarray(qsl), tables, lens.astype(np.int32), qsl, shape.scales)
 
 
 def work(shape: RaggedBenchShape) -> dict:
@@ -170,9 +186,9 @@ def work(shape: RaggedBenchShape) -> dict:
     q_lens, lens = shape.lengths()
     # query i of a sequence sits at p = n - q_len + i and attends p + 1 positions
     pairs = int(sum(q * (n - q) + q * (q + 1) // 2 for q, n in zip(q_lens, lens)))
-    itemsize = jnp.dtype(shape.dtype).itemsize
-    kv = int(lens.sum()) * shape.num_kv_heads * shape.head_dim * itemsize * 2
-    q_out = int(q_lens.sum()) * shape.num_heads * shape.head_dim * itemsize * 2
+    kv = int(lens.sum()) * shape.num_kv_heads * shape.head_dim * jnp.dtype(shape.dtype).itemsize * 2
+    q_out = (int(q_lens.sum()) * shape.num_heads * shape.head_dim
+             * jnp.dtype(shape.query_dtype).itemsize * 2)
     return {"pairs": pairs, "flops": 4.0 * shape.head_dim * shape.num_heads * pairs,
             "bytes": float(kv + q_out)}
 
@@ -234,7 +250,8 @@ def reference_rows(inputs: RaggedInputs, scale: float | None = None):
     q = inputs.q[jnp.asarray(rows)]
     tables = inputs.block_tables[jnp.asarray(seqs)]
     lens = jnp.asarray(positions + 1, jnp.int32)
-    ref = decode(q, inputs.k_cache, inputs.v_cache, tables, lens, scale, impl="xla")
+    ref = decode(q, inputs.k_cache, inputs.v_cache, tables, lens, scale, impl="xla",
+                 **inputs.scales)
     return np.asarray(ref).astype(np.float32)
 
 
@@ -266,12 +283,13 @@ def parse_config(label: str) -> dict:
     """``"bq16/sq4/w8"`` (parts of `config_label`'s form, without spaces, any subset) -> the
     `AttentionConfig` fields it names."""
     return parse_config_label(label, {"bq": "block_q", "sq": "short_block_q", "bk": "block_k",
-                                      "s": "num_splits", "w": "num_warps", "st": "num_stages"})
+                                      "s": "num_splits", "w": "num_warps", "st": "num_stages",
+                                      "pr": "fp8_pairs"}, flags=("fp8_pairs",))
 
 
 def config_label(c: AttentionConfig) -> str:
     return (f"bq{c.block_q} sq{c.short_block_q} bk{c.block_k} s{c.num_splits} w{c.num_warps}"
-            f" st{c.num_stages}")
+            f" st{c.num_stages}" + (" pr1" if c.fp8_pairs else ""))
 
 
 def run_variant(name: str, fn, args, check_fn, w: dict, ceilings: dict, s: Settings) -> dict:
@@ -337,7 +355,7 @@ def bench_shape(shape: RaggedBenchShape, ceilings: dict, s: Settings, sweep: boo
         variants.append(("pallas_libdevice_exp", default))
     for kind, config in variants:
         fn = functools.partial(paged_attention, impl="pallas", config=config,
-                               interpret=interpret)
+                               interpret=interpret, **inputs.scales)
         exp_ab = kind == "pallas_libdevice_exp"
         with kernel_variant(libdevice_exp_variant()) if exp_ab else contextlib.nullcontext():
             row = run_variant(kind, fn, inputs.args(), check_ragged, record, ceilings, s)
@@ -346,7 +364,7 @@ def bench_shape(shape: RaggedBenchShape, ceilings: dict, s: Settings, sweep: boo
         record["rows"].append(row)
         _print_row(row)
     if shape.is_decode:  # the same inputs through decode: q rows are the batch rows
-        fn = functools.partial(decode, impl="pallas", interpret=interpret)
+        fn = functools.partial(decode, impl="pallas", interpret=interpret, **inputs.scales)
         args = inputs.args()[:5]
         row = run_variant("decode", fn, args, lambda out: check(out, inputs, reference), record,
                           ceilings, s)

@@ -17,8 +17,8 @@ Triton, so the counts here are a prediction to check with Nsight Compute there (
 of 2026-12-01 they agreed: 254 registers here, 255 there, one ``LDS.U8`` per V byte in both).
 
 ``--config``: parts of `benchmarks.bench.config_label`'s form (``bk<int>/s<int>/w<int>/st<int>``,
-``vl1`` for `DecodeConfig.fp8_v_at_load`, ``mk1`` for ``merge_in_kernel``; for ragged shapes `benchmarks.bench_ragged`'s, with
-``bq``, ``sq``), any subset, over the config the kernel picks for the shape on an NVIDIA H200;
+``vl1`` for `DecodeConfig.fp8_v_at_load`, ``mk1`` for ``merge_in_kernel``, ``pr1`` for
+``fp8_pairs``; for ragged shapes `benchmarks.bench_ragged`'s, with ``bq``, ``sq``), any subset, over the config the kernel picks for the shape on an NVIDIA H200;
 repeatable (one summary line per config). ``--out``: keep
 ``kernel.ttir``, ``.ttgir``, ``.ptx``, ``.cubin`` and ``.sass`` there (one config).
 
@@ -87,7 +87,8 @@ def _ragged_args(shape) -> tuple:
     `jax.ShapeDtypeStruct` s, one cache block per page the sequences hold."""
     q_lens, lens = shape.lengths()
     pages = -(-lens // shape.block_size)
-    q = jax.ShapeDtypeStruct((int(q_lens.sum()), shape.num_heads, shape.head_dim), shape.dtype)
+    q = jax.ShapeDtypeStruct((int(q_lens.sum()), shape.num_heads, shape.head_dim),
+                             shape.query_dtype)
     cache = jax.ShapeDtypeStruct((int(pages.sum()), shape.block_size, shape.num_kv_heads,
                                   shape.head_dim), shape.dtype)
     i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)  # noqa: E731
@@ -120,7 +121,7 @@ def triton_ir(shape_name: str, config) -> str:
         args = _ragged_args(ragged)
         q, cache, tables, lens, starts = args
         fn = functools.partial(pp.paged_attention, impl="pallas", interpret=False,
-                               config=config)
+                               config=config, **ragged.scales)
         args, prefix = (q, cache, cache, tables, lens, starts), "pallas_paged_ragged"
     else:
         shape = shape_by_name(shape_name)

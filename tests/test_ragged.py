@@ -215,6 +215,22 @@ def test_fp8_cache_with_every_option(rng, impl, q_dtype):
     assert out.dtype == jnp.dtype(q_dtype)
 
 
+@pytest.mark.parametrize("config", [
+    pp.AttentionConfig(block_q=4, short_block_q=1, block_k=16, num_splits=2, fp8_pairs=True),
+    pp.AttentionConfig(block_q=8, block_k=16, fp8_pairs=True)], ids=["split_short", "one_split"])
+@pytest.mark.parametrize("head_dim", [32, 40, 33])
+def test_fp8_column_pairs_with_every_option(rng, config, head_dim):
+    """`AttentionConfig.fp8_pairs`: K and V read as u16 words of two head columns, the dots split
+    into the even and the odd columns; head_dim 40 pads to 64 columns (32 words, 20 of the
+    head's), and an odd head_dim has no pairs (no effect). Every slot that is not a valid token
+    holds NaN (`make_paged`): none reaches the output, as without the pairs."""
+    problem = make_ragged(rng, [(6, 21), (1, 3), (0, 2), (3, 9)], num_heads=4, num_kv_heads=2,
+                          head_dim=head_dim, block_size=4, dtype="float8_e4m3fn",
+                          q_dtype="bfloat16")
+    assert_matches(problem, "pallas", "float8_e4m3fn", config=config, k_scale=0.25,
+                   v_scale=0.75, **options(rng, 4, "all"))
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fp8_scales_as_arrays_one_program_for_every_scale(rng, impl):
     """Scalar f32 array scales equal the same python floats, in torch_ref and in JAX, and a jitted
@@ -544,7 +560,7 @@ def test_option_and_config_errors(rng):
                            arrays[2].astype(jnp.float8_e4m3fn), *arrays[3:])
     for bad in (dict(block_q=3), dict(block_k=8), dict(num_splits=0), dict(num_warps=3),
                 dict(block_q=4, short_block_q=4), dict(block_q=8, short_block_q=3),
-                dict(short_block_q=-1), dict(short_block_q=True)):
+                dict(short_block_q=-1), dict(short_block_q=True), dict(fp8_pairs=1)):
         with pytest.raises(ValueError, match="AttentionConfig"):
             pp.AttentionConfig(**bad)
     with pytest.raises(ValueError, match=r"query_start_loc\[0\]=2 must be 0"):

@@ -99,7 +99,8 @@ def test_unknown_impl_and_bad_config(paged):
 @pytest.mark.parametrize("field,value", [("block_k", 24), ("block_k", 8), ("num_splits", 0),
                                          ("num_warps", 3), ("num_stages", 0), ("block_k", True),
                                          ("merge_in_kernel", 1), ("merge_in_kernel", "yes"),
-                                         ("fp8_v_at_load", 1), ("fp8_v_at_load", None)])
+                                         ("fp8_v_at_load", 1), ("fp8_v_at_load", None),
+                                         ("fp8_pairs", 1), ("fp8_pairs", "yes")])
 def test_config_rejects_bad_knobs(field, value):
     with pytest.raises(ValueError, match=f"DecodeConfig.{field}"):
         pp.DecodeConfig(**{field: value})

@@ -128,6 +128,47 @@ def fp8_pairs_to_f16(words, *, interpret: bool):
     return half("{$0, other}"), half("{other, $0}")
 
 
+def uses_fp8_pairs(fp8_pairs: bool, cache_dtype, head_dim: int) -> bool:
+    """Whether a kernel reads its caches as column pairs: asked for, an fp8 cache, an even
+    head_dim (elsewhere the option has no effect)."""
+    return fp8_pairs and jnp.dtype(cache_dtype).itemsize == 1 and head_dim % 2 == 0
+
+
+def slot_major(cache, *, fp8_pairs: bool):
+    """A cache ``[num_blocks, block_size, kvh, head_dim]`` as the kernels index it: ``[slots,
+    kvh, head_dim]``, or with ``fp8_pairs`` u16 words of two neighbouring columns, ``[slots,
+    kvh, head_dim / 2]`` (a bitcast: no copy)."""
+    num_blocks, block_size, kvh, head_dim = cache.shape
+    if not fp8_pairs:
+        return cache.reshape(num_blocks * block_size, kvh, head_dim)
+    pairs = cache.reshape(num_blocks * block_size, kvh, head_dim // 2, 2)
+    return jax.lax.bitcast_convert_type(pairs, jnp.uint16)
+
+
+def column_parts(padded_dim: int, head_dim: int, *, fp8_pairs: bool):
+    """The head's columns in the kernels' tiles: one part of all ``Dp = padded_dim`` columns, or
+    with ``fp8_pairs`` two of ``Dq = Dp / 2``, the even and the odd columns.
+
+    Returns:
+      ``(words, word_ok, part_cols)``: ``words`` i32[Dq], the index of a tile's row in the
+      `slot_major` cache (a column, or a word of two); ``word_ok`` bool[Dq], inside the head;
+      ``part_cols``, per part the head columns i32[Dq] it holds (for q loads and output stores).
+    """
+    parts = 2 if fp8_pairs else 1
+    words = jnp.arange(padded_dim // parts)
+    return words, words < head_dim // parts, [parts * words + part for part in range(parts)]
+
+
+def load_kv_parts(ref, slot, h, words, mask, *, fp8_pairs: bool, interpret: bool):
+    """A tile of K or V rows (slots ``slot`` i32[Tk] of kv head ``h`` in the `slot_major` cache
+    ``ref``) as a tuple of its `column_parts` tiles [Tk, Dq]: with ``fp8_pairs`` the even and the
+    odd columns in fp16, else the rows in the cache's dtype. ``mask`` bool[Tk, Dq] or None (masked
+    elements are 0)."""
+    other = None if mask is None else (0 if fp8_pairs else 0.0)  # u16 words, or floats
+    tile = plgpu.load(ref.at[slot[:, None], h, words[None, :]], mask=mask, other=other)
+    return fp8_pairs_to_f16(tile, interpret=interpret) if fp8_pairs else (tile,)
+
+
 def query_for_dots(qs, score_scale, compute_dtype):
     """Tiles of queries in the dots' operand dtype, and the factor their scores take.
 
@@ -278,12 +319,9 @@ def _paged_decode_kernel(
 
     rows = jnp.arange(padded_group)  # [Gp]
     row_ok = rows < group
-    # The head's columns in `parts` tiles of Dq = Dp / parts: all of them (1), or the even and
-    # the odd ones (2, fp8_pairs: the caches come as u16 words of two columns each).
-    parts = 2 if fp8_pairs else 1
-    words = jnp.arange(padded_dim // parts)  # [Dq]: a word of each part's columns
-    word_ok = words < head_dim // parts  # [Dq]
-    part_cols = [parts * words + part for part in range(parts)]  # [Dq] each: head columns
+    # [Dq], [Dq], [Dq] per part: the head's columns in one part, or the even and the odd ones
+    words, word_ok, part_cols = column_parts(padded_dim, head_dim, fp8_pairs=fp8_pairs)
+    parts = len(part_cols)
     qs = tuple(plgpu.load(q_ref.at[b, h, rows[:, None], c[None, :]],
                           mask=row_ok[:, None] & word_ok[None, :], other=0)
                for c in part_cols)  # [Gp, Dq] each
@@ -292,19 +330,15 @@ def _paged_decode_kernel(
     if alibi_ref is not None:
         slopes = plgpu.load(alibi_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gp]
 
-    def load_tile(ref, slot, kv_mask):
-        """A tile's rows as ``parts`` tiles [Tk, Dq]: with fp8_pairs the even and odd columns in
-        fp16, else the rows in the cache's dtype (the caller converts them)."""
-        other = 0 if fp8_pairs else 0.0  # u16 words, or the cache's float dtype
-        tile = plgpu.load(ref.at[slot[:, None], h, words[None, :]], mask=kv_mask, other=other)
-        return fp8_pairs_to_f16(tile, interpret=interpret) if fp8_pairs else (tile,)
+    load_tile = functools.partial(load_kv_parts, h=h, words=words, fp8_pairs=fp8_pairs,
+                                  interpret=interpret)
 
     def tile_body(tile, carry):
         accs, m_prev, l_prev = carry  # (f32[Gp, Dq],) * parts, f32[Gp], f32[Gp]
         pos, valid, slot = tile_slots(tables_ref, b, tile, first, n, block_k=block_k,
                                       block_size=block_size, num_blocks=num_blocks)
         kv_mask = valid[:, None] & word_ok[None, :]
-        ks = load_tile(k_ref, slot, kv_mask)  # [Tk, Dq] each
+        ks = load_tile(k_ref, slot, mask=kv_mask)  # [Tk, Dq] each
         s = functools.reduce(jnp.add, [_dot_nt(q, k.astype(compute_dtype))
                                        for q, k in zip(qs, ks)])  # f32[Gp, Tk]
         s = s * score_scale
@@ -317,7 +351,7 @@ def _paged_decode_kernel(
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # all -inf so far: keep exp finite
         alpha = softmax_exp(m_prev - m_safe, interpret=interpret)  # f32[Gp]
         p = softmax_exp(s - m_safe[:, None], interpret=interpret)  # f32[Gp, Tk], 0 where masked
-        vs = load_tile(v_ref, slot, kv_mask)  # [Tk, Dq] each
+        vs = load_tile(v_ref, slot, mask=kv_mask)  # [Tk, Dq] each
         if not fp8_pairs:
             vs = (value_tile_for_dot(vs[0], compute_dtype, word_ok, at_load=fp8_v_at_load),)
         p_dot = p.astype(compute_dtype)
@@ -546,9 +580,9 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     group = num_heads // kvh
     splits = config.num_splits
     merge_in_kernel = config.merge_in_kernel and splits > 1
-    fp8 = jnp.dtype(k_cache.dtype).itemsize == 1
-    fp8_pairs = config.fp8_pairs and fp8 and head_dim % 2 == 0
-    fp8_v_at_load = config.fp8_v_at_load and fp8 and not fp8_pairs
+    fp8_pairs = uses_fp8_pairs(config.fp8_pairs, k_cache.dtype, head_dim)
+    fp8_v_at_load = (config.fp8_v_at_load and jnp.dtype(k_cache.dtype).itemsize == 1
+                     and not fp8_pairs)
     padded_group = max(MIN_DOT_ROWS, next_power_of_2(group))
     padded_dim = max(16, next_power_of_2(head_dim))
     compute_dtype = dot_dtype(q.dtype, k_cache.dtype)
@@ -569,15 +603,10 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
                      jax.ShapeDtypeStruct((batch, kvh, splits, group), jnp.float32))
         if merge_in_kernel:
             out_shape += finals + (jax.ShapeDtypeStruct((batch, kvh), jnp.int32),)
-    def slot_major(cache):  # [slots, kvh, head_dim], or u16 words of column pairs
-        if not fp8_pairs:
-            return cache.reshape(num_blocks * block_size, kvh, head_dim)
-        pairs = cache.reshape(num_blocks * block_size, kvh, head_dim // 2, 2)
-        return jax.lax.bitcast_convert_type(pairs, jnp.uint16)
-
     operands = (context_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
-                q.reshape(batch, kvh, group, head_dim), slot_major(k_cache),
-                slot_major(v_cache), per_head(alibi_slopes), per_head(sinks), scales)
+                q.reshape(batch, kvh, group, head_dim), slot_major(k_cache, fp8_pairs=fp8_pairs),
+                slot_major(v_cache, fp8_pairs=fp8_pairs), per_head(alibi_slopes),
+                per_head(sinks), scales)
     # merge_in_kernel: the arrival counts start at zero and live in the last output's buffer.
     arrivals = jnp.zeros((batch, kvh), jnp.int32) if merge_in_kernel else None
     aliases = {len(jax.tree_util.tree_leaves(operands)): len(out_shape) - 1} if merge_in_kernel \

@@ -45,6 +45,9 @@ class AttentionConfig:
         1 means no split and no merge step.
       num_warps: warps per program (a power of two).
       num_stages: software-pipelining depth of the tile loops.
+      fp8_pairs: with an fp8 cache (and an even head_dim), K and V read as 16-bit words of two
+        head columns, as `DecodeConfig.fp8_pairs` (every dot operand 16-bit; the dots split into
+        the even and the odd columns). No effect on 16-bit caches.
     """
 
     block_q: int = 16
@@ -53,8 +56,11 @@ class AttentionConfig:
     num_splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    fp8_pairs: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.fp8_pairs, bool):
+            raise ValueError(f"AttentionConfig.fp8_pairs={self.fp8_pairs!r} must be a bool")
         for name in ("block_q", "block_k", "num_splits", "num_warps", "num_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

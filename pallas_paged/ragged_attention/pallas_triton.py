@@ -48,9 +48,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_paged._platform import next_power_of_2
-from pallas_paged.decode_attention.pallas_triton import (_dot_nn, _dot_nt, dot_dtype,
+from pallas_paged.decode_attention.pallas_triton import (_dot_nn, _dot_nt, column_parts,
+                                                         dot_dtype, load_kv_parts,
                                                          merge_splits_pallas, query_for_dots,
-                                                         softmax_exp, with_sink)
+                                                         slot_major, softmax_exp,
+                                                         uses_fp8_pairs, with_sink)
 from pallas_paged.ragged_attention.configs import AttentionConfig, tile_dot_rows
 
 
@@ -155,8 +157,9 @@ def _ragged_attention_kernel(
     lens_ref,    # i32[batch]
     tables_ref,  # i32[batch, max_blocks]
     q_ref,       # [num_tokens * num_heads, head_dim]  (row t * num_heads + head)
-    k_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (the cache, slot-major)
-    v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]
+    k_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (the cache, slot-major;
+                 #  fp8_pairs: u16[..., head_dim / 2], two columns per word)
+    v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (fp8_pairs: as k_ref)
     alibi_ref,   # f32[num_heads] or None
     sinks_ref,   # f32[num_heads] or None
     scales_ref,  # f32[2] = (k_scale, v_scale) of an fp8 cache, or None
@@ -175,6 +178,7 @@ def _ragged_attention_kernel(
     compute_dtype,
     soft_cap: float | None,
     window: int | None,
+    fp8_pairs: bool,
     interpret: bool,
 ):
     program, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -203,8 +207,9 @@ def _ragged_attention_kernel(
         token = first_row + tile * tile_q + query  # i32[M]
         row_pos = first_pos + query  # i32[M], each row's position p
         head = h * group + g
-        cols = jnp.arange(padded_dim)  # [Dp]
-        col_ok = cols < head_dim
+        # [Dq], [Dq], [Dq] per part: the head's columns in one part, or the even and odd ones
+        words, word_ok, part_cols = column_parts(padded_dim, head_dim, fp8_pairs=fp8_pairs)
+        parts = len(part_cols)
         # Rows that are not real point one past the end: masked off, so never accessed
         # (interpret mode drops such out-of-range updates, where a duplicate real index would
         # race).
@@ -216,31 +221,34 @@ def _ragged_attention_kernel(
         key_lo, key_hi, shared_lo, shared_hi, loops = plan
 
         # --- the tile's queries ---------------------------------------------------------------
-        q = plgpu.load(q_ref.at[q_row[:, None], cols[None, :]],
-                       mask=row_real[:, None] & col_ok[None, :], other=0)  # [M, Dp]
+        qs = tuple(plgpu.load(q_ref.at[q_row[:, None], c[None, :]],
+                              mask=row_real[:, None] & word_ok[None, :], other=0)
+                   for c in part_cols)  # [M, Dq] each
         # The fp8 dequantization scales enter here (scores) and after the loops (values) only.
         score_scale = scale if scales_ref is None else scales_ref[0] * scale
-        (q,), score_scale = query_for_dots((q,), score_scale, compute_dtype)
+        qs, score_scale = query_for_dots(qs, score_scale, compute_dtype)
+        load_tile = functools.partial(load_kv_parts, h=h, words=words, fp8_pairs=fp8_pairs,
+                                      interpret=interpret)
         if alibi_ref is not None:
             slopes = plgpu.load(alibi_ref.at[head], mask=row_real, other=0)  # f32[M]
 
         def tile_body(kv_tile, carry, *, masked: bool):
-            acc, m_prev, l_prev = carry  # f32[M, Dp], f32[M], f32[M]
+            accs, m_prev, l_prev = carry  # (f32[M, Dq],) * parts, f32[M], f32[M]
             pos = kv_tile * block_k + jnp.arange(block_k)  # i32[Tk], logical positions
             if masked:
                 kv_ok = (pos >= key_lo) & (pos < key_hi)
                 page = jnp.where(kv_ok, pos // block_size, 0)
                 block = plgpu.load(tables_ref.at[table_row, page], mask=kv_ok, other=0)  # i32[Tk]
-                kv_mask = kv_ok[:, None] & col_ok[None, :]
+                kv_mask = kv_ok[:, None] & word_ok[None, :]
             else:  # every position of the tile is < n: its table entries are meaningful
                 block = plgpu.load(tables_ref.at[table_row, pos // block_size])  # i32[Tk]
                 kv_mask = None if padded_dim == head_dim else jnp.broadcast_to(
-                    col_ok[None, :], (block_k, padded_dim))
+                    word_ok[None, :], (block_k, padded_dim // parts))
             block = jnp.clip(block, 0, num_blocks - 1)  # a garbage id can never leave the cache
             slot = block * block_size + pos % block_size  # i32[Tk]
-            fill = None if kv_mask is None else 0.0
-            k = plgpu.load(k_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=fill)  # [Tk, Dp]
-            s = _dot_nt(q, k.astype(compute_dtype)) * score_scale  # f32[M, Tk]
+            ks = load_tile(k_ref, slot, mask=kv_mask)  # [Tk, Dq] each
+            s = functools.reduce(jnp.add, [_dot_nt(q, k.astype(compute_dtype))
+                                           for q, k in zip(qs, ks)]) * score_scale  # f32[M, Tk]
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             if alibi_ref is not None:
@@ -255,32 +263,35 @@ def _ragged_attention_kernel(
             alpha = softmax_exp(m_prev - m_safe, interpret=interpret)  # f32[M]
             # f32[M, Tk], 0 where a row does not see a position
             p = softmax_exp(s - m_safe[:, None], interpret=interpret)
-            v = plgpu.load(v_ref.at[slot[:, None], h, cols[None, :]], mask=kv_mask, other=fill)  # [Tk, Dp]
-            v = v.astype(compute_dtype)
+            vs = tuple(v.astype(compute_dtype)
+                       for v in load_tile(v_ref, slot, mask=kv_mask))  # [Tk, Dq] each
             if masked:  # a row with weight 0 for a NaN/Inf value row would still get 0 * NaN
                 shared = (pos >= shared_lo) & (pos < shared_hi)
-                finite = jnp.abs(v.astype(jnp.float32)) < jnp.inf  # False for NaN and +-Inf
-                v = jnp.where(shared[:, None] | finite, v, jnp.zeros_like(v))
-            acc = acc * alpha[:, None] + _dot_nn(p.astype(compute_dtype), v)
-            return acc, m_next, l_prev * alpha + p.sum(axis=1)
+                # False for NaN and +-Inf
+                vs = tuple(jnp.where(shared[:, None] | (jnp.abs(v.astype(jnp.float32)) < jnp.inf),
+                                     v, jnp.zeros_like(v)) for v in vs)
+            p_dot = p.astype(compute_dtype)
+            accs = tuple(acc * alpha[:, None] + _dot_nn(p_dot, v) for acc, v in zip(accs, vs))
+            return accs, m_next, l_prev * alpha + p.sum(axis=1)
 
-        carry = (jnp.zeros((dot_rows, padded_dim), jnp.float32),
+        carry = ((jnp.zeros((dot_rows, padded_dim // parts), jnp.float32),) * parts,
                  jnp.full((dot_rows,), -jnp.inf, jnp.float32),
                  jnp.zeros((dot_rows,), jnp.float32))
         masked_body = functools.partial(tile_body, masked=True)
         full_body = functools.partial(tile_body, masked=False)
         for (lo, hi), body in zip(loops, (masked_body, full_body, masked_body)):
             carry = jax.lax.fori_loop(lo, hi, body, carry)
-        acc, m, l = carry
+        accs, m, l = carry
         if scales_ref is not None:
-            acc = acc * scales_ref[1]
+            accs = tuple(acc * scales_ref[1] for acc in accs)
 
-        out_mask = row_real[:, None] & col_ok[None, :]
+        out_mask = row_real[:, None] & word_ok[None, :]
         if num_splits > 1:
             o_ref, m_ref, l_ref = out_refs
             split_row = ((token * num_kv_heads + h) * num_splits + split) * group + g
             split_row = jnp.where(row_real, split_row, m_ref.shape[0])
-            plgpu.store(o_ref.at[split_row[:, None], cols[None, :]], acc, mask=out_mask)
+            for acc, c in zip(accs, part_cols):
+                plgpu.store(o_ref.at[split_row[:, None], c[None, :]], acc, mask=out_mask)
             plgpu.store(m_ref.at[split_row], m, mask=row_real)
             plgpu.store(l_ref.at[split_row], l, mask=row_real)
             return
@@ -288,12 +299,13 @@ def _ragged_attention_kernel(
         has_keys = row_real & (row_pos >= 0)  # every real row with p >= 0 sees at least p itself
         if sinks_ref is not None:
             sink = plgpu.load(sinks_ref.at[head], mask=row_real, other=0)  # f32[M]
-            (acc,), m, l = with_sink((acc,), m, l, sink)
+            accs, m, l = with_sink(accs, m, l, sink)
         o_ref, lse_ref = out_refs
         ok = has_keys & (l > 0)
-        out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
-        plgpu.store(o_ref.at[q_row[:, None], cols[None, :]], out.astype(o_ref.dtype),
-                    mask=out_mask)
+        for acc, c in zip(accs, part_cols):
+            out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
+            plgpu.store(o_ref.at[q_row[:, None], c[None, :]], out.astype(o_ref.dtype),
+                        mask=out_mask)
         lse = jnp.where(has_keys, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
         plgpu.store(lse_ref.at[q_row], lse, mask=row_real)
 
@@ -342,13 +354,14 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, quer
     group = num_heads // kvh
     splits = config.num_splits
     padded_dim = max(16, next_power_of_2(head_dim))
+    fp8_pairs = uses_fp8_pairs(config.fp8_pairs, k_cache.dtype, head_dim)
     kernel = functools.partial(
         _ragged_attention_kernel, scale=scale, block_size=block_size, block_q=config.block_q,
         short_block_q=config.short_block_q,
         long_programs=config.long_query_tiles(num_tokens, batch), block_k=config.block_k,
         num_splits=splits, group=group, padded_dim=padded_dim,
         compute_dtype=dot_dtype(q.dtype, k_cache.dtype), soft_cap=logits_soft_cap,
-        window=sliding_window, interpret=interpret)
+        window=sliding_window, fp8_pairs=fp8_pairs, interpret=interpret)
     scales = None if k_scale is None else jnp.stack([k_scale, v_scale]).astype(jnp.float32)
     if splits > 1:
         rows = num_tokens * kvh * splits * group
@@ -360,7 +373,7 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, quer
                      jax.ShapeDtypeStruct((num_tokens * num_heads,), jnp.float32))
     name = (f"pallas_paged_ragged_bq{config.block_q}_sq{config.short_block_q}_bk{config.block_k}"
             f"_s{splits}_g{group}"
-            f"_d{head_dim}_bs{block_size}")
+            f"_d{head_dim}_bs{block_size}" + ("_pairs" if fp8_pairs else ""))
     outs = pl.pallas_call(
         kernel,
         grid=(config.query_tiles(num_tokens, batch), kvh, splits),
@@ -371,8 +384,8 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, quer
         name=name,
     )(query_start_loc.astype(jnp.int32), context_lens.astype(jnp.int32),
       block_tables.astype(jnp.int32), q.reshape(num_tokens * num_heads, head_dim),
-      k_cache.reshape(num_blocks * block_size, kvh, head_dim),
-      v_cache.reshape(num_blocks * block_size, kvh, head_dim), alibi_slopes, sinks, scales)
+      slot_major(k_cache, fp8_pairs=fp8_pairs), slot_major(v_cache, fp8_pairs=fp8_pairs),
+      alibi_slopes, sinks, scales)
     if splits == 1:
         out, lse = outs
         return out.reshape(num_tokens, num_heads, head_dim), lse.reshape(num_tokens, num_heads)
