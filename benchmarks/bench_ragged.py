@@ -132,6 +132,7 @@ SMOKE_SHAPES = (
     _shape("smoke_mixed_2x8c20_6dec30", (2, 8, 20), (6, 1, 30), **_TINY),
     _shape("smoke_spec_b4_q4_ctx40", (4, 4, 40), **_TINY),
     _shape("smoke_decode_b4_ctx40", (4, 1, 40), **_TINY),
+    _shape("smoke_fp8_mixed_2x8c20_6dec30", (2, 8, 20), (6, 1, 30), dtype=FP8, **_TINY),
 )
 
 

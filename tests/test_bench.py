@@ -427,6 +427,27 @@ def test_bench_ragged_times_config_overrides_and_the_exp_variant(tmp_path, capsy
     assert "libdevice" not in table
 
 
+def test_bench_ragged_runs_an_fp8_cache_with_and_without_the_pairs(tmp_path):
+    """An fp8 shape gets its scales and bf16 queries, its bytes count one per K/V element, and
+    the ``pr1`` row (`AttentionConfig.fp8_pairs`) is checked against the reference like the
+    default."""
+    path = tmp_path / "ragged.json"
+    code = bench_ragged.main(["--smoke", "--shapes", "smoke_fp8_mixed_2x8c20_6dec30", "--config",
+                              "pr1", "--json", str(path)])
+    assert code == 0
+    (record,) = json.loads(path.read_text())["shapes"]
+    shape = next(x for x in bench_ragged.SMOKE_SHAPES if x.name == record["name"])
+    assert shape.scales == dict(k_scale=1 / 16, v_scale=1 / 16)
+    assert shape.query_dtype == "bfloat16"
+    q_lens, lens = shape.lengths()
+    kv_bytes = int(lens.sum()) * shape.num_kv_heads * shape.head_dim * 2  # K and V, 1 byte each
+    assert record["bytes"] == kv_bytes + int(q_lens.sum()) * shape.num_heads * shape.head_dim * 4
+    rows = {r["variant"]: r for r in record["rows"]}
+    assert rows["pallas"]["status"] == rows["pallas_config"]["status"] == "ok"
+    assert rows["pallas_config"]["config"] == {**rows["pallas"]["config"], "fp8_pairs": True}
+    assert rows["pallas_config"]["label"].endswith(" pr1")
+
+
 # ----------------------------------------------------------------------------------------------
 # the smoke run
 
