@@ -60,7 +60,8 @@ import numpy as np
 from benchmarks.bench import (Settings, _error, _short, _versions, compare, device_info,
                               measure, measure_copy_bandwidth, parse_config_label,
                               smoke_settings)
-from benchmarks.shapes import FP8, FP8_STORE_SCALE, random_normal
+from benchmarks.shapes import (FP8, fp8_scales_for, query_dtype_for, random_normal,
+                               store_scale_for)
 from benchmarks.timing import kernel_variant, libdevice_exp_variant
 from pallas_paged import AttentionConfig, decode, paged_attention
 from pallas_paged._platform import device_kind, sm_count
@@ -86,14 +87,14 @@ class RaggedBenchShape:
 
     @property
     def query_dtype(self) -> str:
-        return "bfloat16" if self.dtype == FP8 else self.dtype
+        return query_dtype_for(self.dtype)
 
     @property
     def scales(self) -> dict:
-        """``k_scale`` / ``v_scale`` for an fp8 cache (as `benchmarks.shapes`'s decode shapes:
-        ``1 / FP8_STORE_SCALE``), else none."""
-        return dict(k_scale=1.0 / FP8_STORE_SCALE, v_scale=1.0 / FP8_STORE_SCALE) \
-            if self.dtype == FP8 else {}
+        """``k_scale`` / ``v_scale`` for an fp8 cache (`benchmarks.shapes.fp8_scales_for`), else
+        none."""
+        k_scale, v_scale = fp8_scales_for(self.dtype)
+        return {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
 
     def lengths(self) -> tuple[np.ndarray, np.ndarray]:
         """``(q_lens i64[batch], context_lens i64[batch])`` in batch order."""
@@ -175,7 +176,7 @@ def make_inputs(shape: RaggedBenchShape, seed: int) -> RaggedInputs:
     cache_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
     q = random_normal(keys[0], (int(qsl[-1]), shape.num_heads, shape.head_dim),
                       shape.query_dtype)
-    store_scale = FP8_STORE_SCALE if shape.dtype == FP8 else 1.0
+    store_scale = store_scale_for(shape.dtype)
     k_cache = random_normal(keys[1], cache_shape, shape.dtype, scale=store_scale)
     v_cache = random_normal(keys[2], cache_shape, shape.dtype, scale=store_scale)
     return RaggedInputs(q, k_cache, v_cache, jnp.asarray(tables), jnp.asarray(lens, jnp.int32),

@@ -58,9 +58,7 @@ from benchmarks.bench import (ROTATE_BYTES, Settings, compare, config_label, par
 from benchmarks.timing import (describe_error, jsonable, kernel_variant, libdevice_exp_variant,
                                measure, measure_copy_bandwidth)
 from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
-from pallas_paged._platform import device_kind, sm_count
-from pallas_paged.decode_attention import configs
-from pallas_paged.decode_attention.api import decode_shape
+from pallas_paged.decode_attention.api import picked_config
 from pallas_paged.decode_attention.pallas_triton import (_merge_splits, decode_kernel_call,
                                                          merge_splits_pallas, tile_range,
                                                          tile_slots)
@@ -262,8 +260,7 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
                                                inputs.context_lens_np))
     lens = inputs.context_lens
     kc, vc = inputs.k_cache, inputs.v_cache
-    default = configs.lookup(decode_shape(inputs.q[0], kc, inputs.block_tables[0]),
-                             device_kind(), sm_count())
+    default = picked_config(inputs.q[0], kc, inputs.block_tables[0])
     references = {}  # id(tables) -> impl="xla" on copy 0
 
     def reference(tables):

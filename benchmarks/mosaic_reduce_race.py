@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from benchmarks.bench import int_at_least
+
 ROWS, COLS = 64, 8  # a wgmma accumulator tile of S^T: 64 tokens x a group of 8 queries
 RTOL = 1e-5
 
@@ -87,14 +89,14 @@ def check(warpgroups: int, axis: int, iters: int, *, interpret: bool, seed: int 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iters", type=int, default=None,
+    parser.add_argument("--iters", type=int_at_least(1), default=None,
                         help="tiles per warpgroup (default 512 compiled, 4 in interpret mode)")
     args = parser.parse_args(argv)
     from pallas_paged.decode_attention import mosaic_gpu
 
     mosaic_gpu.check_jax()
     interpret = jax.devices()[0].platform != "gpu"
-    iters = args.iters or (4 if interpret else 512)
+    iters = args.iters if args.iters is not None else (4 if interpret else 512)
     print(f"{'interpret mode' if interpret else jax.devices()[0].device_kind}, jax"
           f" {jax.__version__}, {iters} tiles per warpgroup")
     results = [check(w, axis, iters, interpret=interpret) for w in (1, 2) for axis in (1, 0)]

@@ -7,8 +7,9 @@ r"""A few calls of one named shape's kernel, for a profiler to look at (Nsight C
 
 ``--shape`` names a decode shape of `benchmarks.shapes` (runs `pallas_paged.decode`) or a ragged
 one of `benchmarks.bench_ragged.SHAPES` (runs `pallas_paged.paged_attention`), with the config
-the call picks (for decode, ``--config bk64/pr1`` replaces those fields of it), or ``--impl``. The script runs ``--calls`` calls and prints the names of the
-kernels in the program (the profiler's ``--kernel-name`` filter). Nothing is timed here: read the
+the call picks (for decode, ``--config bk64/pr1`` replaces those fields of it), or ``--impl``.
+The script runs ``--calls`` calls and prints the names of the kernels in the program (the
+profiler's ``--kernel-name`` filter). Nothing is timed here: read the
 profiler's report.
 """
 
@@ -24,9 +25,7 @@ import pallas_paged as pp
 from benchmarks import bench_ragged
 from benchmarks.bench import parse_decode_config
 from benchmarks.shapes import make_decode_inputs, shape_by_name
-from pallas_paged._platform import device_kind, sm_count
-from pallas_paged.decode_attention import configs
-from pallas_paged.decode_attention.api import decode_shape
+from pallas_paged.decode_attention.api import picked_config
 
 
 def decode_call(name: str, impl: str, fields: dict | None = None):
@@ -39,9 +38,8 @@ def decode_call(name: str, impl: str, fields: dict | None = None):
                                                    v_scale=inputs.v_scale)
     config = None
     if fields:
-        picked = configs.lookup(decode_shape(inputs.q[0], inputs.k_cache, inputs.block_tables[0]),
-                                device_kind(), sm_count())
-        config = dataclasses.replace(picked, **fields)
+        config = dataclasses.replace(
+            picked_config(inputs.q[0], inputs.k_cache, inputs.block_tables[0]), **fields)
     fn = jax.jit(lambda q, t: pp.decode(q, inputs.k_cache, inputs.v_cache, t,
                                         inputs.context_lens, impl=impl, config=config, **scales))
     return shape.describe() + ("" if config is None else f", {config}"), fn, (

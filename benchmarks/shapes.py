@@ -37,6 +37,9 @@ __all__ = [
     "ALL_SHAPES",
     "SMALL_SHAPES",
     "FP8_STORE_SCALE",
+    "query_dtype_for",
+    "store_scale_for",
+    "fp8_scales_for",
     "shape_by_name",
     "make_decode_inputs",
 ]
@@ -46,6 +49,21 @@ FP8 = "float8_e4m3fn"
 # fp8 caches store 16 * N(0, 1) (well inside +-448) and dequantize with k_scale = v_scale = 1/16,
 # so the values attention sees are N(0, 1) like every other dtype's (1/16 is exact in fp32).
 FP8_STORE_SCALE = 16.0
+
+
+def query_dtype_for(cache_dtype: str) -> str:
+    """The queries' dtype over a cache of ``cache_dtype``: the same, bf16 over fp8."""
+    return "bfloat16" if cache_dtype == FP8 else cache_dtype
+
+
+def store_scale_for(cache_dtype: str) -> float:
+    """The factor the random cache values are drawn with: ``FP8_STORE_SCALE`` for fp8, else 1."""
+    return FP8_STORE_SCALE if cache_dtype == FP8 else 1.0
+
+
+def fp8_scales_for(cache_dtype: str) -> tuple[float | None, float | None]:
+    """``(k_scale, v_scale)`` for `decode` / `write_kv`: ``1 / FP8_STORE_SCALE`` for fp8."""
+    return (1.0 / FP8_STORE_SCALE,) * 2 if cache_dtype == FP8 else (None, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +110,7 @@ class DecodeBenchShape:
 
     @property
     def query_dtype(self) -> str:
-        return "bfloat16" if self.dtype == FP8 else self.dtype
+        return query_dtype_for(self.dtype)
 
     @property
     def is_fp8(self) -> bool:
@@ -100,8 +118,8 @@ class DecodeBenchShape:
 
     @property
     def scales(self) -> tuple[float | None, float | None]:
-        """``(k_scale, v_scale)`` for `decode` / `write_kv`: ``1 / FP8_STORE_SCALE`` for fp8."""
-        return (1.0 / FP8_STORE_SCALE,) * 2 if self.is_fp8 else (None, None)
+        """``(k_scale, v_scale)`` for `decode` / `write_kv` (`fp8_scales_for`)."""
+        return fp8_scales_for(self.dtype)
 
     @property
     def max_blocks(self) -> int:
@@ -331,7 +349,7 @@ def make_decode_inputs(shape: DecodeBenchShape, seed: int, *, copies: int = 1,
     lens, tables, num_blocks = make_block_tables(shape, rng, copies)
     cache_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
     q_shape = (copies, shape.batch, shape.num_heads, shape.head_dim)
-    store_scale = FP8_STORE_SCALE if shape.is_fp8 else 1.0
+    store_scale = store_scale_for(shape.dtype)
     if backend == "numpy":
         sources = (rng, rng, rng)
     else:

@@ -18,8 +18,9 @@ of 2026-12-01 they agreed: 254 registers here, 255 there, one ``LDS.U8`` per V b
 
 ``--config``: parts of `benchmarks.bench.config_label`'s form (``bk<int>/s<int>/w<int>/st<int>``,
 ``vl1`` for `DecodeConfig.fp8_v_at_load`, ``mk1`` for ``merge_in_kernel``, ``pr1`` for
-``fp8_pairs``; for ragged shapes `benchmarks.bench_ragged`'s, with ``bq``, ``sq``), any subset, over the config the kernel picks for the shape on an NVIDIA H200;
-repeatable (one summary line per config). ``--out``: keep
+``fp8_pairs``; for ragged shapes `benchmarks.bench_ragged`'s, with ``bq``, ``sq``), any subset,
+over the config the kernel picks for the shape on an NVIDIA H200; repeatable (one summary line
+per config). ``--out``: keep
 ``kernel.ttir``, ``.ttgir``, ``.ptx``, ``.cubin`` and ``.sass`` there (one config).
 
 The summary (`pipeline_summary`): the longest loop's instructions per warp (decode: the tile

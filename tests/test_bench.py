@@ -937,6 +937,8 @@ def test_mosaic_reduce_race_checks_every_variant(capsys):
 
     if jax.default_backend() == "gpu":
         pytest.skip("compiled, the outcome is what the reproducer measures")
+    with pytest.raises(SystemExit):  # argparse: --iters must be a positive int
+        mosaic_reduce_race.main(["--iters", "0"])
     assert mosaic_reduce_race.main(["--iters", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("interpret mode")

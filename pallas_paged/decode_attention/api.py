@@ -36,6 +36,14 @@ def decode_shape(q, k_cache, block_tables) -> DecodeShape:
                        cache_dtype=jnp.dtype(k_cache.dtype).name)
 
 
+def picked_config(q, k_cache, block_tables, *, impl: str = "pallas"):
+    """The config ``decode(..., impl=impl)`` runs when given none: the tuned entry of the call's
+    shape class on this device kind (`configs.lookup`, `configs.lookup_mosaic`), else the
+    heuristic's. ``impl``: ``"pallas"`` (a `DecodeConfig`) or ``"mosaic"``."""
+    lookup = configs.lookup_mosaic if impl == "mosaic" else configs.lookup
+    return lookup(decode_shape(q, k_cache, block_tables), device_kind(), sm_count())
+
+
 def auto_impl(q, k_cache, block_tables, *, interpret: bool | None = None, config=None) -> str:
     """The kernel ``decode(..., impl="auto")`` runs for this call: ``"mosaic"`` or ``"pallas"``.
 
@@ -160,8 +168,7 @@ def decode(
     if sliding_window is not None and sliding_window >= capacity:
         sliding_window = None  # every position p in [0, n) has p > n - 1 - W: no window
     if impl in ("pallas", "mosaic") and config is None and q.shape[0] > 0 and capacity > 0:
-        lookup = configs.lookup_mosaic if impl == "mosaic" else configs.lookup
-        config = lookup(decode_shape(q, k_cache, block_tables), device_kind(), sm_count())
+        config = picked_config(q, k_cache, block_tables, impl=impl)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     out, lse = _decode_jit(
         q, k_cache, v_cache, _validation.host_clamp_index(block_tables, 0, num_blocks - 1),
