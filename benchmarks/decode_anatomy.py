@@ -280,30 +280,33 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
         return not only or any(label == part[1:] if part.startswith("=") else part in label
                                for part in only)
 
-    def timed(label, fn, firsts=qs_all, tables_of=tables_all, check=False, config=None):
-        """Time ``fn(firsts[i], tables_of[i])`` as `benchmarks.bench` does in loop mode: ``reps``
-        straight-line calls in one jitted program (``firsts[i]`` is call ``i``'s own array, so
-        XLA cannot merge calls); the first call's output is checked against the reference when
-        ``check``."""
+    def timed(label, fn, firsts=qs_all, tables_of=tables_all, check=False, config=None,
+              caches=(kc, vc)):
+        """Time ``fn(firsts[i], tables_of[i], *caches)`` as `benchmarks.bench` does in loop mode:
+        ``reps`` straight-line calls in one jitted program (``firsts[i]`` is call ``i``'s own
+        array, so XLA cannot merge calls); the first call's output is checked against the
+        reference when ``check``. The caches are arguments of the jitted program: closed over,
+        they would be captured as constants of it (a copy of every cache byte in each compile)."""
         if not wanted(label):
             return
         row = {"shape": name, "variant": label, "config": None if config is None else
                dataclasses.asdict(config)}
         try:
-            def run(qs, ts):  # straight-line calls: no host round trip between them
-                return tuple(fn(qs[i], ts[i]) for i in range(reps))
+            def run(qs, ts, cs):  # straight-line calls: no host round trip between them
+                return tuple(fn(qs[i], ts[i], *cs) for i in range(reps))
 
             compiled = jax.jit(run)
             if check:
-                err = compare(jax.jit(fn)(firsts[0], tables_of[0]), reference(tables_of))
+                err = compare(jax.jit(fn)(firsts[0], tables_of[0], *caches),
+                              reference(tables_of))
                 row["rel_err"] = err["rel_err"]
                 if not err["correct"]:
                     row["status"] = "WRONG"
                     rows.append(row)
                     print(f"  {label:44s} WRONG rel_err={err['rel_err']:.2e}", flush=True)
                     return
-            jax.block_until_ready(compiled(firsts, tables_of))
-            timing = measure(lambda: compiled(firsts, tables_of), reps, s)
+            jax.block_until_ready(compiled(firsts, tables_of, caches))
+            timing = measure(lambda: compiled(firsts, tables_of, caches), reps, s)
             row.update(status="ok", median_us=timing.median_us,
                        of_copy=nbytes / (timing.median_us * 1e-6) / 1e12 / copy_tbps)
             print(f"  {label:44s} {timing.median_us:9.1f} us  {row['of_copy']:.3f} of copy",
@@ -314,8 +317,8 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
         rows.append(row)
 
     def decode_fn(config):
-        return lambda q, t: pp.decode(q, kc, vc, t, lens, config=config, interpret=interpret,
-                                      **scales)
+        return lambda q, t, k, v: pp.decode(q, k, v, t, lens, config=config,
+                                            interpret=interpret, **scales)
 
     kernel_kwargs = dict(scale=scale, interpret=interpret, logits_soft_cap=None,
                          alibi_slopes=None, sliding_window=None, sinks=None,
@@ -337,16 +340,17 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
                                            else "in the operand read"),
               decode_fn(flipped), check=True, config=flipped)
     timed("loop overhead (slices only)",
-          lambda q, t: q.astype(jnp.float32) + t[:, :1, None].astype(jnp.float32))
+          lambda q, t: q.astype(jnp.float32) + t[:, :1, None].astype(jnp.float32), caches=())
     if default.num_splits > 1:
         kernel = functools.partial(decode_kernel_call, config=default, **kernel_kwargs)
-        timed("kernel only (no merge)", lambda q, t: kernel(q, kc, vc, t, lens)[0],
+        timed("kernel only (no merge)", lambda q, t, k, v: kernel(q, k, v, t, lens)[0],
               config=default)
-        partials = jax.jit(lambda q, t: kernel(q, kc, vc, t, lens))(qs_all[0], tables_all[0])
+        partials = jax.jit(lambda q, t, k, v: kernel(q, k, v, t, lens))(qs_all[0],
+                                                                        tables_all[0], kc, vc)
         n = jnp.asarray(inputs.context_lens_np, jnp.int32)
         o, m, l = partials
         timed("kernel + the XLA merge",
-              lambda q, t: _merge_splits(*kernel(q, kc, vc, t, lens), n, None)[0].astype(
+              lambda q, t, k, v: _merge_splits(*kernel(q, k, v, t, lens), n, None)[0].astype(
                   q.dtype).reshape(q.shape), check=True, config=default)
         for splits in (default.num_splits // 2, default.num_splits, 2 * default.num_splits):
             if splits > 1:  # one launch instead of two
@@ -354,21 +358,22 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
                 timed(f"decode, merge in kernel, {splits} splits", decode_fn(merged), check=True,
                       config=merged)
         timed("merge only (XLA)", lambda o, ml: _merge_splits(o, *ml, n, None)[0],
-              firsts=per_call(o[None], 1, reps), tables_of=[(m, l)] * reps)
+              firsts=per_call(o[None], 1, reps), tables_of=[(m, l)] * reps, caches=())
         timed("merge only (Pallas kernel)",
               lambda o, ml: merge_splits_pallas(o, *ml, n, None, out_dtype=inputs.q.dtype,
                                                 interpret=interpret)[0],
-              firsts=per_call(o[None], 1, reps), tables_of=[(m, l)] * reps)
+              firsts=per_call(o[None], 1, reps), tables_of=[(m, l)] * reps, caches=())
     timed("empty kernel (launch only)",
-          lambda q, t: empty_call(q, kc, t, lens, config=default, interpret=interpret))
+          lambda q, t, k: empty_call(q, k, t, lens, config=default, interpret=interpret),
+          caches=(kc,))
     read_only = [(f"read only {config_words(c)}", c)
                  for c in read_only_configs(default, with_configs)]
     if any(wanted(label) for label, _ in read_only):  # the word views only when timed
         k_words, v_words = jax.block_until_ready((as_words(kc), as_words(vc)))
         for label, config in read_only:
-            timed(label, lambda q, t, c=config: read_only_call(
-                q, k_words, v_words, t, lens, block_size=shape.block_size, config=c,
-                interpret=interpret))
+            timed(label, lambda q, t, kw, vw, c=config: read_only_call(
+                q, kw, vw, t, lens, block_size=shape.block_size, config=c,
+                interpret=interpret), caches=(k_words, v_words))
         del k_words, v_words
     pairs = shape.batch * shape.num_kv_heads
     for config in config_variants(default, shape.is_fp8, pairs) if with_configs else ():

@@ -40,10 +40,11 @@ def decode_call(name: str, impl: str, fields: dict | None = None):
     if fields:
         config = dataclasses.replace(
             picked_config(inputs.q[0], inputs.k_cache, inputs.block_tables[0]), **fields)
-    fn = jax.jit(lambda q, t: pp.decode(q, inputs.k_cache, inputs.v_cache, t,
-                                        inputs.context_lens, impl=impl, config=config, **scales))
+    # the caches are arguments: closed over, they would be captured as constants of the program
+    fn = jax.jit(lambda q, k, v, t, n: pp.decode(q, k, v, t, n, impl=impl, config=config,
+                                                 **scales))
     return shape.describe() + ("" if config is None else f", {config}"), fn, (
-        inputs.q[0], inputs.block_tables[0])
+        inputs.q[0], inputs.k_cache, inputs.v_cache, inputs.block_tables[0], inputs.context_lens)
 
 
 RAGGED_SHAPES = {shape.name: shape for shape in bench_ragged.SHAPES}

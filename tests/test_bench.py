@@ -249,6 +249,19 @@ def test_tuned_snippet_keeps_the_boolean_fields(flags):
     assert namespace["TUNED"] == {("bfloat16", 128, 4, 16, 1, 32768): DecodeConfig(**best)}
 
 
+@pytest.mark.parametrize("name", ["small_b2_ctx64", "small_fp8_b2_ctx64"])
+def test_profile_kernel_passes_the_caches_as_arguments(name):
+    """Closed over, the caches would be captured as constants of the profiled program (a copy
+    of every cache byte in its lowering and each compile)."""
+    from benchmarks import profile_kernel
+
+    _, fn, args = profile_kernel.decode_call(name, "xla", None)
+    text = fn.lower(*args).as_text()
+    cache_bytes = args[1].nbytes
+    constants = re.findall(r'dense<"0x([0-9A-F]+)">', text)  # hex: 2 digits a byte
+    assert max((len(c) // 2 for c in constants), default=0) < cache_bytes
+
+
 def test_decode_anatomy_smoke_runs_only_the_chosen_variants(tmp_path):
     from benchmarks import decode_anatomy
 

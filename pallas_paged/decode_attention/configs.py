@@ -128,17 +128,22 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
 # NVIDIA H200 (132 SMs), 2026-11-30 (docs/BENCHMARKS.md); only classes where the best candidate
 # beat the heuristic are listed.
 TUNED: dict[str, dict[tuple, DecodeConfig]] = {"NVIDIA H200": {
-    # fp8_b32_ctx4096: 79.2 us vs 93.8 us for the entry before (the same tile, splits, warps and
-    # stages with fp8_v_at_load) in one run, 2026-12-02, `python -m benchmarks.decode_anatomy`:
-    # K and V read as column pairs, every dot operand 16-bit (docs/BENCHMARKS.md, "fp8 decode:
-    # the column pairs"); the entry before had gained 114.1 -> 96.9 us from a K/V ring two tiles
-    # deep (5 stages, "The K/V ring Triton builds")
-    ("float8_e4m3fn", 128, 4, 16, 32, 4096): DecodeConfig(block_k=64, num_splits=2, num_warps=2, num_stages=5, fp8_pairs=True),
+    # fp8_b32_ctx4096: 74.0 us vs 78.7 us for the entry before (bk64 s2 w2 st5 fp8_pairs) in one
+    # run, 2026-12-02, `python -m benchmarks.decode_anatomy`: 128-token tiles without a split (no
+    # merge), 256 programs in one wave, each with a ring two tiles deep. The entry before gained
+    # 93.8 -> 79.2 us from the column pairs (every dot operand 16-bit, docs/BENCHMARKS.md, "fp8
+    # decode: the column pairs") and 114.1 -> 96.9 us from a two-deep ring (5 stages, "The K/V
+    # ring Triton builds")
+    ("float8_e4m3fn", 128, 4, 16, 32, 4096): DecodeConfig(block_k=128, num_splits=1, num_warps=4, num_stages=5, fp8_pairs=True),
     # fp8_b8_ctx16384: 78.2 us vs 93.7 us for the entry before (with fp8_v_at_load), same run
     ("float8_e4m3fn", 128, 4, 16, 8, 16384): DecodeConfig(block_k=64, num_splits=8, num_warps=2, num_stages=5, fp8_pairs=True),
     # b1_ctx32768: 40.5 and 40.1 us vs 42.2 and 42.4 us heuristic (bk64 s64 w4 st2) in two runs,
     # 2026-12-02: 128 programs of 128-token tiles in a ring two tiles deep, one per multiprocessor
     ("bfloat16", 128, 4, 16, 1, 32768): DecodeConfig(block_k=128, num_splits=16, num_warps=4, num_stages=5),
+    # b32_ctx4096: 130.6 us vs 137.7 us heuristic (bk64 s2 w4 st2, then the merge) in one run,
+    # 2026-12-02, `python -m benchmarks.decode_anatomy`: no split and no merge, 256 programs of
+    # 8 warps in one wave, each with a K/V ring two tiles deep (as many bytes in flight)
+    ("bfloat16", 128, 4, 16, 32, 4096): DecodeConfig(block_k=64, num_splits=1, num_warps=8, num_stages=5),
     # d256_b32_ctx4096: 271.3 us vs 378.7 us heuristic (1.40x)
     ("bfloat16", 256, 4, 16, 32, 4096): DecodeConfig(block_k=64, num_splits=1, num_warps=8, num_stages=2),
     # ragged_b64_ctx8192 (lengths uniform in 1..8192): 298.5 us vs 369.4 us heuristic (1.24x)
