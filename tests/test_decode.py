@@ -358,3 +358,58 @@ def test_compiled_kernel_runs_on_gpu(rng):
     text = jax.jit(functools.partial(pp.decode, impl="pallas")).lower(*args).compile().as_text()
     assert "pallas_paged_decode" in text
     assert_matches_torch(paged, "pallas", "bfloat16")
+
+
+def _decode_shape(batch, capacity, cache_dtype, *, num_kv_heads=8, group=4, head_dim=128,
+                  block_size=16):
+    from pallas_paged.decode_attention.configs import DecodeShape
+    return DecodeShape(batch=batch, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                       block_size=block_size, capacity=capacity, cache_dtype=cache_dtype)
+
+
+@pytest.mark.parametrize("batch,capacity,cache_dtype,expected", [
+    # 16-bit caches: rings one tile deep, about four programs per multiprocessor
+    (32, 4096, "bfloat16", pp.DecodeConfig(block_k=64, num_splits=2, num_warps=4, num_stages=2)),
+    (1, 32768, "bfloat16", pp.DecodeConfig(block_k=64, num_splits=64, num_warps=4, num_stages=2)),
+    (128, 1024, "float16", pp.DecodeConfig(block_k=64, num_splits=1, num_warps=4, num_stages=2)),
+    # fp8 caches: column pairs, rings two tiles deep, about two programs per multiprocessor
+    (32, 4096, "float8_e4m3fn", pp.DecodeConfig(block_k=128, num_splits=1, num_warps=4,
+                                                num_stages=5, fp8_pairs=True)),
+    (8, 16384, "float8_e4m3fn", pp.DecodeConfig(block_k=128, num_splits=4, num_warps=4,
+                                                num_stages=5, fp8_pairs=True)),
+])
+def test_heuristic_config_of_the_measured_shapes(batch, capacity, cache_dtype, expected):
+    from pallas_paged.decode_attention.configs import get_heuristic_config
+    assert get_heuristic_config(_decode_shape(batch, capacity, cache_dtype), 132) == expected
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+@pytest.mark.parametrize("batch", [1, 3, 64, 1024])
+@pytest.mark.parametrize("capacity", [16, 1000, 131072])
+def test_heuristic_configs_are_valid_and_never_split_short(cache_dtype, head_dim, batch,
+                                                           capacity):
+    from pallas_paged.decode_attention.configs import get_heuristic_config
+    config = get_heuristic_config(
+        _decode_shape(batch, capacity, cache_dtype, head_dim=head_dim), 132)
+    assert 1 <= config.num_splits <= 256
+    assert config.num_splits == 1 or capacity // config.num_splits >= 4 * config.block_k
+    assert config.block_k <= max(16, pp_next_power_of_2(capacity))
+    tile_bytes = 2 * config.block_k * pp_next_power_of_2(head_dim) * np.dtype(
+        jnp.dtype(cache_dtype)).itemsize
+    assert tile_bytes <= 64 * 1024  # K + V of one tile; rings hold one or two of them
+    assert config.fp8_pairs == (cache_dtype == "float8_e4m3fn")
+    assert not config.fp8_v_at_load and not config.merge_in_kernel
+
+
+def pp_next_power_of_2(n):
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def test_tuned_h200_table_leaves_fp8_caches_to_the_heuristic():
+    """The fp8 layout measured fastest at both fp8 shapes is the heuristic's; a tuned entry
+    for an fp8 class would shadow it."""
+    from pallas_paged.decode_attention.configs import TUNED, get_heuristic_config, lookup
+    assert not [key for key in TUNED["NVIDIA H200"] if key[0] == "float8_e4m3fn"]
+    shape = _decode_shape(32, 4096, "float8_e4m3fn")
+    assert lookup(shape, "NVIDIA H200", 132) == get_heuristic_config(shape, 132)

@@ -4,7 +4,8 @@ the table of configs tuned on real devices.
 A shape class rounds the static facts of a call up to powers of two, so that one measured entry
 covers its neighbours: ``(cache dtype, head_dim, group, block_size, batch, capacity)``. The table is
 keyed by the device kind JAX reports (``jax.devices()[0].device_kind``, e.g. ``"NVIDIA H200"``);
-entries are measured with ``python -m benchmarks.bench --tune``. On any other device, or for a
+entries are measured with ``python -m benchmarks.bench --tune`` or ``python -m
+benchmarks.decode_anatomy --config ...``. On any other device, or for a
 shape class not in the table, `lookup` returns the heuristic config. The Mosaic GPU kernel has the
 same three parts (`MosaicDecodeConfig`, `get_mosaic_heuristic_config`, `MOSAIC_TUNED` /
 `lookup_mosaic`), and a last table, `IMPL_CHOICE`, records per device kind and shape class which
@@ -94,33 +95,46 @@ class DecodeShape:
     cache_dtype: str    # e.g. "bfloat16"
 
 
-def _num_splits(shape: DecodeShape, block_k: int, sm_count: int) -> int:
-    """About four programs per multiprocessor, without splits shorter than 4 tiles.
+def _num_splits(shape: DecodeShape, block_k: int, sm_count: int,
+                programs_per_sm: int) -> int:
+    """About ``programs_per_sm`` programs per multiprocessor, without splits shorter than 4 tiles.
 
-    Measured on the H200 (132 SMs, bf16, D=128): the best split counts put 512-1024 programs on
-    the device (B=32: 2 splits, B=4 at 128K tokens: 16, B=1 at 32K: 64, B=128: 1).
+    Measured on the H200 (132 SMs, bf16, D=128, rings one tile deep): the best split counts put
+    512-1024 programs on the device (B=32: 2 splits, B=4 at 128K tokens: 16, B=1 at 32K: 64,
+    B=128: 1).
     """
     programs = max(shape.batch * shape.num_kv_heads, 1)
-    wanted = (4 * sm_count) / programs
+    wanted = (programs_per_sm * sm_count) / programs
     splits = 1 << max(0, round(math.log2(wanted))) if wanted > 1 else 1
     max_useful = max(1, shape.capacity // (4 * block_k))
     return max(1, min(splits, max_useful, 256))
 
 
 def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
-    """A reasonable config for any shape: the fallback of the tuned table."""
+    """A reasonable config for any shape: the fallback of the tuned table.
+
+    16-bit and fp32 caches: tiles of about 32 KiB of K plus V in a ring one tile deep
+    (``num_stages=2``), about four programs per multiprocessor. fp8 caches: the same tile
+    length rule, rings two tiles deep (``num_stages=5``) and about two programs per
+    multiprocessor (as many tiles in flight, half the splits to merge), the rows read as column
+    pairs (``fp8_pairs``). On the H200 that layout was the fastest fp8 config at both measured
+    shapes (B=32 ctx=4096: 74.0 us against 78.7 for the tuned entry of 64-token tiles and 2
+    splits; B=8 ctx=16384: 76.6 against 77.4 us; 113-125 us for this heuristic's config before,
+    with rings one tile deep and 8-bit dot operands; docs/BENCHMARKS.md).
+    """
     itemsize = jnp.dtype(shape.cache_dtype).itemsize
+    fp8 = itemsize == 1
     padded_dim = next_power_of_2(shape.head_dim)
-    # One K tile plus one V tile of about 32 KiB: with num_stages=2 the only pair in flight per
-    # program (a K/V ring one tile deep, `pallas_triton.kv_ring_depth`), so several programs
-    # share a multiprocessor.
+    # A K tile plus a V tile of about 32 KiB for each tile in flight (`pallas_triton.kv_ring_depth`),
+    # so that several programs share a multiprocessor.
     block_k = max(16, min(128, (16 * 1024) // (padded_dim * itemsize)))
     block_k = min(block_k, max(16, next_power_of_2(shape.capacity)))
     return DecodeConfig(
         block_k=block_k,
-        num_splits=_num_splits(shape, block_k, sm_count),
+        num_splits=_num_splits(shape, block_k, sm_count, programs_per_sm=2 if fp8 else 4),
         num_warps=4 if padded_dim <= 128 else 8,
-        num_stages=2,
+        num_stages=5 if fp8 else 2,
+        fp8_pairs=fp8,
     )
 
 
@@ -128,15 +142,8 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
 # NVIDIA H200 (132 SMs), 2026-11-30 (docs/BENCHMARKS.md); only classes where the best candidate
 # beat the heuristic are listed.
 TUNED: dict[str, dict[tuple, DecodeConfig]] = {"NVIDIA H200": {
-    # fp8_b32_ctx4096: 74.0 us vs 78.7 us for the entry before (bk64 s2 w2 st5 fp8_pairs) in one
-    # run, 2026-12-02, `python -m benchmarks.decode_anatomy`: 128-token tiles without a split (no
-    # merge), 256 programs in one wave, each with a ring two tiles deep. The entry before gained
-    # 93.8 -> 79.2 us from the column pairs (every dot operand 16-bit, docs/BENCHMARKS.md, "fp8
-    # decode: the column pairs") and 114.1 -> 96.9 us from a two-deep ring (5 stages, "The K/V
-    # ring Triton builds")
-    ("float8_e4m3fn", 128, 4, 16, 32, 4096): DecodeConfig(block_k=128, num_splits=1, num_warps=4, num_stages=5, fp8_pairs=True),
-    # fp8_b8_ctx16384: 78.2 us vs 93.7 us for the entry before (with fp8_v_at_load), same run
-    ("float8_e4m3fn", 128, 4, 16, 8, 16384): DecodeConfig(block_k=64, num_splits=8, num_warps=2, num_stages=5, fp8_pairs=True),
+    # fp8 caches: none; the heuristic's config (bk128 st5 fp8_pairs, about two programs per
+    # multiprocessor) was the fastest measured at both fp8 shapes (`get_heuristic_config`)
     # b1_ctx32768: 40.5 and 40.1 us vs 42.2 and 42.4 us heuristic (bk64 s64 w4 st2) in two runs,
     # 2026-12-02: 128 programs of 128-token tiles in a ring two tiles deep, one per multiprocessor
     ("bfloat16", 128, 4, 16, 1, 32768): DecodeConfig(block_k=128, num_splits=16, num_warps=4, num_stages=5),
