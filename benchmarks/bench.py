@@ -130,7 +130,7 @@ class Settings:
     prefill_tokens: int = PREFILL_TOKENS
     copy_bytes: int = COPY_BYTES
     jax_configs: int = 6         # JAX paged_attention configs per shape
-    max_tune_configs: int = 24   # tune candidates per shape (besides the default config)
+    max_tune_configs: int = 40   # tune candidates per shape (besides the default config)
     compile_threads: int = 1     # >1: compile a shape's Pallas variants in threads
     copies: int = 0              # 0: automatic (rotation rule); else forced
     max_copies: int = MAX_COPIES
@@ -405,20 +405,27 @@ def _tile_bytes(block_k: int, shape: DecodeBenchShape, stages: int) -> int:
 
 
 def tune_stage1(shape: DecodeBenchShape, base: DecodeConfig, heuristic: DecodeConfig) -> list:
-    """block_k x num_splits around the heuristic, warps and stages of the base config."""
+    """block_k x num_splits around the heuristic, the base config's warps, at K/V rings one and
+    two tiles deep (2 and 5 stages, `pallas_triton.kv_ring_depth`): the split count and the ring
+    depth win together (on the H200 at B=32, ctx=4096, bf16, the tune of 2026-11-30, rings one
+    tile deep, kept 2 splits; 1 split with rings two deep then ran 1.04x faster, 1.05x with 8
+    warps, docs/BENCHMARKS.md)."""
     eff_len = min(shape.capacity, shape.sliding_window or shape.capacity)
+    stages = (base.num_stages, 5 if kv_ring_depth(base.num_stages) < 2 else 2)
     out = []
-    for block_k in (16, 32, 64, 128):
-        if block_k > max(16, next_power_of_2(eff_len)):
-            continue
-        if _tile_bytes(block_k, shape, base.num_stages) > SMEM_BYTES:
-            continue
-        tiles = max(1, eff_len // block_k)
-        h = heuristic.num_splits
-        for splits in sorted({max(1, h // 2), h, min(64, 2 * h)}):
-            if splits > tiles:
+    for num_stages in stages:
+        for block_k in (16, 32, 64, 128):
+            if block_k > max(16, next_power_of_2(eff_len)):
                 continue
-            out.append(dataclasses.replace(base, block_k=block_k, num_splits=splits))
+            if _tile_bytes(block_k, shape, num_stages) > SMEM_BYTES:
+                continue
+            tiles = max(1, eff_len // block_k)
+            h = heuristic.num_splits
+            for splits in sorted({max(1, h // 2), h, min(64, 2 * h)}):
+                if splits > tiles:
+                    continue
+                out.append(dataclasses.replace(base, block_k=block_k, num_splits=splits,
+                                               num_stages=num_stages))
     return out
 
 
