@@ -14,8 +14,10 @@ those fields, row ``decode LABEL``; default shapes:
   (the page-table gather then reads neighbouring rows): what the random layout costs;
 - ``decode, libdevice expf``: the same kernel with ``jnp.exp`` for its softmax instead of
   `pallas_triton.softmax_exp` (the hardware exp2): what that buys;
-- ``decode, fp8 V converted ...`` (fp8 caches): the default config with
-  ``DecodeConfig.fp8_v_at_load`` the other way: where the V tile's conversion belongs;
+- ``decode, fp8 V converted ...`` (fp8 caches not read as column pairs): the default config
+  with ``DecodeConfig.fp8_v_at_load`` the other way: where the V tile's conversion belongs;
+- ``decode, N words per fp8 pair conversion`` (fp8 caches read as column pairs): the default
+  with `pallas_triton.PAIR_WORDS_PER_CONVERSION` the other way (1 or 2);
 - ``decode, merge in kernel``: ``DecodeConfig.merge_in_kernel`` (the last split of each row
   merges; one launch) at the default split count, half and twice it;
 - ``kernel only`` / ``merge only``: the Pallas kernel without the split merge, and the merge
@@ -58,6 +60,7 @@ from benchmarks.bench import (ROTATE_BYTES, Settings, compare, config_label, par
 from benchmarks.timing import (describe_error, jsonable, kernel_variant, libdevice_exp_variant,
                                measure, measure_copy_bandwidth)
 from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
+from pallas_paged.decode_attention import pallas_triton as decode_triton
 from pallas_paged.decode_attention.api import picked_config
 from pallas_paged.decode_attention.pallas_triton import (_merge_splits, decode_kernel_call,
                                                          merge_splits_pallas, tile_range,
@@ -334,11 +337,17 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
           config=default)
     with kernel_variant(libdevice_exp_variant()):  # the softmax's exp as before softmax_exp
         timed("decode, libdevice expf", decode_fn(default), check=True, config=default)
-    if shape.is_fp8:
+    pairs = decode_triton.uses_fp8_pairs(default.fp8_pairs, kc.dtype, shape.head_dim)
+    if shape.is_fp8 and not pairs:  # (the column pairs replace fp8_v_at_load)
         flipped = dataclasses.replace(default, fp8_v_at_load=not default.fp8_v_at_load)
         timed("decode, fp8 V converted " + ("at load" if flipped.fp8_v_at_load
                                            else "in the operand read"),
               decode_fn(flipped), check=True, config=flipped)
+    if pairs:
+        other = 3 - decode_triton.PAIR_WORDS_PER_CONVERSION  # the column pairs' other conversion
+        with kernel_variant({(decode_triton, "PAIR_WORDS_PER_CONVERSION"): other}):
+            timed(f"decode, {other} words per fp8 pair conversion", decode_fn(default),
+                  check=True, config=default)
     timed("loop overhead (slices only)",
           lambda q, t: q.astype(jnp.float32) + t[:, :1, None].astype(jnp.float32), caches=())
     if default.num_splits > 1:

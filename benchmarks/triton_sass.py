@@ -20,7 +20,8 @@ of 2026-12-01 they agreed: 254 registers here, 255 there, one ``LDS.U8`` per V b
 ``vl1`` for `DecodeConfig.fp8_v_at_load`, ``mk1`` for ``merge_in_kernel``, ``pr1`` for
 ``fp8_pairs``; for ragged shapes `benchmarks.bench_ragged`'s, with ``bq``, ``sq``), any subset,
 over the config the kernel picks for the shape on an NVIDIA H200; repeatable (one summary line
-per config). ``--out``: keep
+per config). ``--pair-words 1|2``: `pallas_paged.decode_attention.pallas_triton.
+PAIR_WORDS_PER_CONVERSION` for the compile (fp8 column pairs). ``--out``: keep
 ``kernel.ttir``, ``.ttgir``, ``.ptx``, ``.cubin`` and ``.sass`` there (one config).
 
 The summary (`pipeline_summary`): the longest loop's instructions per warp (decode: the tile
@@ -52,7 +53,9 @@ import pallas_paged as pp
 from benchmarks import bench_ragged
 from benchmarks.bench import abstract_args, config_label, parse_decode_config
 from benchmarks.shapes import shape_by_name
+from benchmarks.timing import kernel_variant
 from pallas_paged.decode_attention import configs
+from pallas_paged.decode_attention import pallas_triton as decode_triton
 from pallas_paged.decode_attention.api import decode_shape
 from pallas_paged.decode_attention.pallas_triton import kv_ring_depth
 from pallas_paged.ragged_attention import configs as ragged_configs
@@ -293,6 +296,9 @@ def main(argv=None) -> int:
                              " subset; repeatable")
     parser.add_argument("--out", default=None, help="keep the IR, PTX, cubin and SASS here")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--pair-words", type=int, choices=(1, 2), default=None,
+                        help="fp8 column pairs: u16 words per conversion"
+                             " (pallas_triton.PAIR_WORDS_PER_CONVERSION; default: its value)")
     args = parser.parse_args(argv)
     try:
         import triton  # noqa: F401 - only to fail early with a clear message
@@ -306,12 +312,16 @@ def main(argv=None) -> int:
         overrides = [parse_config(label, args.shape) if label else {} for label in labels]
     except ValueError as e:
         parser.error(str(e))
+    pair_words = {} if args.pair_words is None else {
+        (decode_triton, "PAIR_WORDS_PER_CONVERSION"): args.pair_words}
     for fields in overrides:
         config = kernel_config(args.shape, fields)
         with tempfile.TemporaryDirectory(prefix="triton_sass_") as scratch:
             out_dir = args.out or scratch
             os.makedirs(out_dir, exist_ok=True)
-            result = compile_sass(triton_ir(args.shape, config), config, out_dir)
+            with kernel_variant(pair_words):
+                ir_text = triton_ir(args.shape, config)
+            result = compile_sass(ir_text, config, out_dir)
         opcodes = result["opcodes"]
         print(f"{args.shape} {config}: {sum(opcodes.values())} static instructions"
               + (f" (files in {args.out})" if args.out else ""))

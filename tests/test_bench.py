@@ -264,6 +264,19 @@ def test_profile_kernel_passes_the_caches_as_arguments(name):
     assert max((len(c) // 2 for c in constants), default=0) < cache_bytes
 
 
+def test_decode_anatomy_times_the_other_fp8_pair_conversion(tmp_path):
+    from benchmarks import decode_anatomy
+    from pallas_paged.decode_attention import pallas_triton
+
+    path = tmp_path / "anatomy.json"
+    assert decode_anatomy.main(["--smoke", "--shapes", "small_fp8_b2_ctx64", "--configs", "none",
+                                "--only", "words per", "--json", str(path)]) == 0
+    other = 3 - pallas_triton.PAIR_WORDS_PER_CONVERSION
+    [row] = json.loads(path.read_text())["rows"]
+    assert row["variant"] == f"decode, {other} words per fp8 pair conversion"
+    assert row["status"] == "ok" and row["config"]["fp8_pairs"]
+
+
 def test_decode_anatomy_smoke_runs_only_the_chosen_variants(tmp_path):
     from benchmarks import decode_anatomy
 
@@ -370,21 +383,28 @@ def test_decode_anatomy_times_the_libdevice_exp_variant(tmp_path):
     assert row["status"] == "ok" and row["rel_err"] < bench.REL_TOL and row["median_us"] > 0
 
 
-def test_decode_anatomy_times_the_fp8_value_conversion_both_ways(tmp_path):
+def test_decode_anatomy_times_the_fp8_value_conversion_both_ways(tmp_path, monkeypatch):
     """On an fp8 cache the anatomy's A/B row of `DecodeConfig.fp8_v_at_load` (the default
-    config with the field the other way) runs, is checked and is timed (smoke); a 16-bit cache
-    has no such row. The read-only probe runs on both."""
+    config with the field the other way) runs, is checked and is timed (smoke) where the
+    default does not read column pairs (which replace it; here the pick is made without them);
+    a 16-bit cache has no such row. The read-only probe runs on both."""
     from benchmarks import decode_anatomy
 
+    picked = decode_anatomy.picked_config
+
+    def without_pairs(q, k_cache, tables):
+        config = picked(q, k_cache, tables)
+        return dataclasses.replace(config, fp8_pairs=False) if config.fp8_pairs else config
+    monkeypatch.setattr(decode_anatomy, "picked_config", without_pairs)
     path = tmp_path / "anatomy.json"
     code = decode_anatomy.main(["--smoke", "--shapes", "small_fp8_b2_ctx64,small_b2_ctx64",
-                                "--configs", "none", "--only", "fp8 V,read only",
+                                "--configs", "none", "--only", "fp8 V,read only,words per",
                                 "--json", str(path)])
     assert code == 0
     rows = json.loads(path.read_text())["rows"]
     assert [(r["shape"], r["variant"]) for r in rows] == [
         ("small_fp8_b2_ctx64", "decode, fp8 V converted at load"),
-        ("small_fp8_b2_ctx64", "read only bk64 s1 w4 st2"),
+        ("small_fp8_b2_ctx64", "read only bk64 s1 w4 st5"),
         ("small_b2_ctx64", "read only bk64 s1 w4 st2")]
     assert rows[0]["config"]["fp8_v_at_load"] is True
     assert rows[0]["rel_err"] < bench.REL_TOL
@@ -940,6 +960,35 @@ def test_fp8_pairs_give_every_dot_16_bit_operand_layouts():
     assert ir_text.count("tt.dot ") == 4 and "cvt.rn.f16x2.e4m3x2" in ir_text
     assert widths == {"2"}
     assert compiled({"fp8_pairs": False, "fp8_v_at_load": True})[1] == {"4"}
+
+
+def test_fp8_pairs_two_words_per_conversion_share_the_byte_permutes():
+    """`pallas_triton.PAIR_WORDS_PER_CONVERSION` = 2, compiled for sm_90 on the CPU: the same
+    conversions and 16-bit operand layouts, one byte permute per two conversions where one
+    word per conversion takes one per conversion, a shorter tile loop."""
+    pytest.importorskip("triton")
+    import tempfile
+    from benchmarks import triton_sass
+    from benchmarks.timing import kernel_variant
+    from pallas_paged.decode_attention import pallas_triton
+
+    config = triton_sass.kernel_config("fp8_b32_ctx4096", {"fp8_pairs": True})
+    compiled = {}
+    for words in (1, 2):
+        with kernel_variant({(pallas_triton, "PAIR_WORDS_PER_CONVERSION"): words}):
+            ir_text = triton_sass.triton_ir("fp8_b32_ctx4096", config)
+        out = tempfile.mkdtemp()
+        result = triton_sass.compile_sass(ir_text, config, out)
+        with open(os.path.join(out, "kernel.ttgir")) as f:
+            widths = set(re.findall(r"kWidth = (\d+)", f.read()))
+        compiled[words] = result, widths, ir_text
+    (one, one_widths, one_ir), (two, two_widths, two_ir) = compiled[1], compiled[2]
+    assert one_widths == two_widths == {"2"}
+    assert "prmt.b32" in two_ir and "prmt.b32" not in one_ir
+    conversions = "F2FP.F16.E4M3.UNPACK_B"
+    assert one["opcodes"][conversions] == two["opcodes"][conversions] > 0
+    assert one["opcodes"]["PRMT"] - two["opcodes"]["PRMT"] >= one["opcodes"][conversions] // 4
+    assert two["loop_instructions"] < one["loop_instructions"]
 
 
 @pytest.mark.skipif(mosaic_gpu.jax_version() < mosaic_gpu.MIN_JAX,

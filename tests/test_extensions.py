@@ -164,15 +164,26 @@ def test_fp8_pairs_to_f16_keeps_every_pair_in_interpret_mode():
     np.testing.assert_array_equal(np.asarray(odd), want_odd)
 
 
+def test_fp8_pairs_to_f16_takes_one_or_two_words_per_conversion():
+    from pallas_paged.decode_attention.pallas_triton import fp8_pairs_to_f16
+    words, want_even, _ = every_fp8_pair()
+    even, _ = fp8_pairs_to_f16(jnp.asarray(words), interpret=True, words_per_conversion=2)
+    np.testing.assert_array_equal(np.asarray(even), want_even)
+    with pytest.raises(ValueError, match="words_per_conversion=3 must be 1 or 2"):
+        fp8_pairs_to_f16(jnp.asarray(words), interpret=True, words_per_conversion=3)
+
+
 @pytest.mark.gpu
-def test_fp8_pairs_to_f16_keeps_every_pair_compiled():
+@pytest.mark.parametrize("words_per_conversion", [1, 2])
+def test_fp8_pairs_to_f16_keeps_every_pair_compiled(words_per_conversion):
     """The PTX conversion (``cvt.rn.f16x2.e4m3x2``) in a Pallas Triton kernel, bit for bit."""
     from jax.experimental import pallas as pl
     from pallas_paged.decode_attention.pallas_triton import fp8_pairs_to_f16
     words, want_even, want_odd = every_fp8_pair()
 
     def kernel(words_ref, even_ref, odd_ref):  # u16[16, 256] -> f16[16, 256] x 2, per program
-        even_ref[...], odd_ref[...] = fp8_pairs_to_f16(words_ref[...], interpret=False)
+        even_ref[...], odd_ref[...] = fp8_pairs_to_f16(
+            words_ref[...], interpret=False, words_per_conversion=words_per_conversion)
 
     spec = pl.BlockSpec((16, 256), lambda i: (i, 0))
     out = jax.ShapeDtypeStruct(words.shape, jnp.float16)
@@ -212,3 +223,36 @@ def test_return_lse_shape_and_values(rng, impl):
     assert np.isneginf(np.asarray(lse)[1]).all()
     assert_matches_torch(paged, impl, "float32", return_lse=True)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
+    pp.DecodeConfig(block_k=16, num_splits=2, num_warps=1, fp8_pairs=True),
+    pp.DecodeConfig(block_k=64, num_splits=2, num_warps=2, num_stages=5, fp8_pairs=True),
+    pp.DecodeConfig(block_k=128, num_splits=1, num_warps=4, num_stages=5, fp8_pairs=True),
+    pp.DecodeConfig(block_k=32, num_splits=3, num_warps=8, fp8_pairs=True, merge_in_kernel=True),
+], ids=["bk16_w1", "bk64_w2_st5", "bk128_w4_st5", "bk32_w8_merged"])
+@pytest.mark.parametrize("head_dim", [128, 40])
+def test_fp8_pairs_two_words_per_conversion_compiled(rng, monkeypatch, config, head_dim):
+    """`pallas_triton.PAIR_WORDS_PER_CONVERSION` = 2 in the compiled decode kernel: the same
+    outputs as one word per conversion, bit for bit, and torch_ref's within tolerance, with
+    every fp8 byte value in the caches (NaN aside: a NaN anywhere makes its rows NaN)."""
+    from pallas_paged.decode_attention import pallas_triton
+    paged = make_paged(rng, lens=[300, 7, 0, 129], num_heads=8, num_kv_heads=2, block_size=16,
+                       dtype="float8_e4m3fn", head_dim=head_dim)
+    every = np.arange(256, dtype=np.uint8)
+    every = every[(every & 0x7F) != 0x7F].view(jnp.float8_e4m3fn)  # the two NaNs left out
+    for cache in (paged.k_cache, paged.v_cache):
+        flat = cache.reshape(-1)
+        flat[:] = np.resize(every, flat.shape)
+    outs = []
+    for words in (1, 2):
+        monkeypatch.setattr(pallas_triton, "PAIR_WORDS_PER_CONVERSION", words)
+        jax.clear_caches()
+        outs.append(np.asarray(pp.decode(*paged.jax(), config=config, k_scale=2.0 ** -8,
+                                         v_scale=2.0 ** -8, return_lse=True)[0]))
+    np.testing.assert_array_equal(outs[1], outs[0])
+    assert_matches_torch(paged, "pallas", "float8_e4m3fn", k_scale=2.0 ** -8, v_scale=2.0 ** -8,
+                         return_lse=True, config=config)
+    monkeypatch.undo()
+    jax.clear_caches()  # no later test reuses a trace made with two words per conversion

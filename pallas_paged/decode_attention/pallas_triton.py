@@ -104,7 +104,15 @@ def value_tile_for_dot(v, compute_dtype, col_ok, *, at_load: bool):
     return v.astype(compute_dtype) * col_ok.astype(compute_dtype)[None, :]
 
 
-def fp8_pairs_to_f16(words, *, interpret: bool):
+# u16 words that one compiled conversion of `fp8_pairs_to_f16` reads: 1 (one `cvt` per word, then
+# a byte permute per output register: the path run on the H200), or 2 (the two words' low bytes,
+# then their high bytes, brought together by one byte permute that the even and the odd output's
+# conversions share; fp8_b32_ctx4096's tile loop 692 instructions against 764 when compiled on the
+# CPU for sm_90, `python -m benchmarks.triton_sass --pair-words 2`; not yet run on a GPU).
+PAIR_WORDS_PER_CONVERSION = 1
+
+
+def fp8_pairs_to_f16(words, *, interpret: bool, words_per_conversion: int | None = None):
     """u16 words of two e4m3 values each (the even head column in the low byte, as a little-endian
     view of the fp8 cache's rows) -> ``(even, odd)`` columns, each f16 of the words' shape.
 
@@ -112,20 +120,36 @@ def fp8_pairs_to_f16(words, *, interpret: bool):
     NaN included, is an fp16 value). The tiles reach the dots from 16-bit loads, so Triton lays
     the dots' operands out for 16-bit elements (two per register along K), where an fp8 load
     feeding a dot makes it take four (`DecodeConfig.fp8_pairs` says what that costs).
-    Interpret mode (no PTX): the bytes split with integer ops and converted by XLA.
+    ``words_per_conversion`` (default `PAIR_WORDS_PER_CONVERSION`): 2 converts two words per
+    inline assembly (Triton packs them into one register, in whatever order its layout gives;
+    each output element still depends only on its own word). Interpret mode (no PTX): the bytes
+    split with integer ops and converted by XLA.
     """
+    per = PAIR_WORDS_PER_CONVERSION if words_per_conversion is None else words_per_conversion
+    if per not in (1, 2):
+        raise ValueError(f"words_per_conversion={per!r} must be 1 or 2")
     if interpret:
         def convert(byte):
             return jax.lax.bitcast_convert_type(byte.astype(jnp.uint8),
                                                 jnp.float8_e4m3fn).astype(jnp.float16)
         return convert(words & 0xFF), convert(words >> 8)
-    def half(unpack):  # one inline assembly per output (the lowering takes one result)
+    if per == 1:
+        def half(unpack):  # one inline assembly per output (the lowering takes one result)
+            [out] = plgpu.elementwise_inline_asm(
+                "{ .reg .b32 pair; .reg .b16 other; cvt.rn.f16x2.e4m3x2 pair, $1; "
+                f"mov.b32 {unpack}, pair; }}", args=[words], constraints="=h,h", pack=1,
+                result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.float16)])
+            return out
+        return half("{$0, other}"), half("{other, $0}")
+
+    def bytes_of_two_words(which):  # $1: words w0 (low half), w1; 0x3120: w0.lo w1.lo w0.hi w1.hi
         [out] = plgpu.elementwise_inline_asm(
-            "{ .reg .b32 pair; .reg .b16 other; cvt.rn.f16x2.e4m3x2 pair, $1; "
-            f"mov.b32 {unpack}, pair; }}", args=[words], constraints="=h,h", pack=1,
+            "{ .reg .b32 lows_highs; .reg .b16 lows, highs; "
+            "prmt.b32 lows_highs, $1, 0, 0x3120; mov.b32 {lows, highs}, lows_highs; "
+            f"cvt.rn.f16x2.e4m3x2 $0, {which}; }}", args=[words], constraints="=r,r", pack=2,
             result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.float16)])
         return out
-    return half("{$0, other}"), half("{other, $0}")
+    return bytes_of_two_words("lows"), bytes_of_two_words("highs")
 
 
 def uses_fp8_pairs(fp8_pairs: bool, cache_dtype, head_dim: int) -> bool:
