@@ -389,21 +389,18 @@ def test_heuristic_config_of_the_measured_shapes(batch, capacity, cache_dtype, e
 @pytest.mark.parametrize("capacity", [16, 1000, 131072])
 def test_heuristic_configs_are_valid_and_never_split_short(cache_dtype, head_dim, batch,
                                                            capacity):
+    from pallas_paged._platform import next_power_of_2
     from pallas_paged.decode_attention.configs import get_heuristic_config
     config = get_heuristic_config(
         _decode_shape(batch, capacity, cache_dtype, head_dim=head_dim), 132)
     assert 1 <= config.num_splits <= 256
     assert config.num_splits == 1 or capacity // config.num_splits >= 4 * config.block_k
-    assert config.block_k <= max(16, pp_next_power_of_2(capacity))
-    tile_bytes = 2 * config.block_k * pp_next_power_of_2(head_dim) * np.dtype(
+    assert config.block_k <= max(16, next_power_of_2(capacity))
+    tile_bytes = 2 * config.block_k * next_power_of_2(head_dim) * np.dtype(
         jnp.dtype(cache_dtype)).itemsize
     assert tile_bytes <= 64 * 1024  # K + V of one tile; rings hold one or two of them
     assert config.fp8_pairs == (cache_dtype == "float8_e4m3fn")
     assert not config.fp8_v_at_load and not config.merge_in_kernel
-
-
-def pp_next_power_of_2(n):
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def test_tuned_h200_table_leaves_fp8_caches_to_the_heuristic():

@@ -133,23 +133,22 @@ def fp8_pairs_to_f16(words, *, interpret: bool, words_per_conversion: int | None
             return jax.lax.bitcast_convert_type(byte.astype(jnp.uint8),
                                                 jnp.float8_e4m3fn).astype(jnp.float16)
         return convert(words & 0xFF), convert(words >> 8)
-    if per == 1:
-        def half(unpack):  # one inline assembly per output (the lowering takes one result)
-            [out] = plgpu.elementwise_inline_asm(
-                "{ .reg .b32 pair; .reg .b16 other; cvt.rn.f16x2.e4m3x2 pair, $1; "
-                f"mov.b32 {unpack}, pair; }}", args=[words], constraints="=h,h", pack=1,
-                result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.float16)])
-            return out
-        return half("{$0, other}"), half("{other, $0}")
 
-    def bytes_of_two_words(which):  # $1: words w0 (low half), w1; 0x3120: w0.lo w1.lo w0.hi w1.hi
+    def inline_conversion(asm, constraints, pack):  # one per output (the lowering takes one)
         [out] = plgpu.elementwise_inline_asm(
-            "{ .reg .b32 lows_highs; .reg .b16 lows, highs; "
-            "prmt.b32 lows_highs, $1, 0, 0x3120; mov.b32 {lows, highs}, lows_highs; "
-            f"cvt.rn.f16x2.e4m3x2 $0, {which}; }}", args=[words], constraints="=r,r", pack=2,
+            asm, args=[words], constraints=constraints, pack=pack,
             result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.float16)])
         return out
-    return bytes_of_two_words("lows"), bytes_of_two_words("highs")
+    if per == 1:
+        asm = ("{ .reg .b32 pair; .reg .b16 other; cvt.rn.f16x2.e4m3x2 pair, $1; "
+               "mov.b32 %s, pair; }")
+        return tuple(inline_conversion(asm % unpack, "=h,h", 1) for unpack in ("{$0, other}",
+                                                                             "{other, $0}"))
+    # $1: words w0 (low half), w1; the permute 0x3120 orders the bytes w0.lo w1.lo w0.hi w1.hi
+    asm = ("{ .reg .b32 lows_highs; .reg .b16 lows, highs; "
+           "prmt.b32 lows_highs, $1, 0, 0x3120; mov.b32 {lows, highs}, lows_highs; "
+           "cvt.rn.f16x2.e4m3x2 $0, %s; }")
+    return tuple(inline_conversion(asm % half, "=r,r", 2) for half in ("lows", "highs"))
 
 
 def uses_fp8_pairs(fp8_pairs: bool, cache_dtype, head_dim: int) -> bool:
