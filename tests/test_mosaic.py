@@ -409,11 +409,31 @@ def test_heuristic_config_fits_and_splits_small_batches():
     assert config.num_splits >= 32  # B=1: enough CTAs for 132 SMs
     for dtype in ("bfloat16", "float8_e4m3fn"):
         for head_dim in (64, 128):
-            c = get_mosaic_heuristic_config(
-                pp.DecodeShape(32, 8, 4, head_dim, 16, 4096, dtype), sm_count=132)
-            q_dtype = "bfloat16"
-            assert mosaic_gpu.smem_bytes(head_dim, dtype, q_dtype, c, alibi=True) <= \
-                mosaic_gpu.MAX_SMEM_BYTES
+            for batch, group in ((1, 4), (32, 4), (256, 4), (32, 1), (4, 64)):
+                c = get_mosaic_heuristic_config(
+                    pp.DecodeShape(batch, 8, group, head_dim, 16, 4096, dtype), sm_count=132)
+                need = mosaic_gpu.smem_bytes(head_dim, dtype, "bfloat16", c, alibi=True,
+                                             group=group)
+                assert need <= mosaic_gpu.MAX_SMEM_BYTES, (dtype, head_dim, batch, group, c)
+
+
+@pytest.mark.parametrize("batch,context,dtype,expected", [
+    (1, 32768, "bfloat16", MosaicDecodeConfig(block_k=128, num_splits=32, num_stages=2,
+                                              queries_in_n=True)),
+    (32, 4096, "bfloat16", MosaicDecodeConfig(block_k=128, num_splits=1, num_stages=2,
+                                              queries_in_n=True)),
+    (128, 1024, "bfloat16", MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=3,
+                                               queries_in_n=True)),
+    (8, 16384, "float8_e4m3fn", MosaicDecodeConfig(block_k=64, num_splits=4, num_stages=4,
+                                                   queries_in_n=True)),
+])
+def test_heuristic_config_at_the_measured_shapes(batch, context, dtype, expected):
+    """The configs measured fastest on the H200 (docs/BENCHMARKS.md): the queries in N with one
+    consumer; 128-token tiles for 16-bit caches where the CTAs make about one wave, else 64."""
+    from pallas_paged.decode_attention.configs import get_mosaic_heuristic_config
+    shape = pp.DecodeShape(batch=batch, num_kv_heads=8, group=4, head_dim=128, block_size=16,
+                           capacity=context, cache_dtype=dtype)
+    assert get_mosaic_heuristic_config(shape, sm_count=132) == expected
 
 
 # --- impl="auto": the measured table, gated on what the Mosaic kernel can run ---------------------
@@ -584,6 +604,10 @@ LOWERINGS = {
                                                kvh=2, config=QN_FOUR_STAGES),
     "queries_in_n_fp8_every_option": dict(cache_dtype=jnp.float8_e4m3fn, scales=True,
                                           options=True, config=QN_FOUR_STAGES),
+    # the group in the wgmmas' M (padded to 64 rows), two consumers
+    "queries_in_m_fp8_two_consumers_every_option": dict(
+        dtype=jnp.float16, cache_dtype=jnp.float8_e4m3fn, scales=True, options=True,
+        config=MosaicDecodeConfig(block_k=64, num_stages=2, num_consumers=2)),
 }
 
 
@@ -611,7 +635,8 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
     text = jax.jit(fn).trace(*args, *extra).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
     assert mosaic_gpu.KERNEL_NAME in text and "xla.gpu.triton" not in text
-    assert ("_qn" in text) == bool(config and config.queries_in_n)
+    ran = config or api.picked_config(args[0], args[1], args[3], impl="mosaic")
+    assert ("_qn" in text) == ran.queries_in_n
 
 
 # --- the compiled kernel on a GPU ------------------------------------------------------------------
@@ -642,15 +667,13 @@ def _realistic(rng, batch, context, dtype, num_kv_heads=8):
                                                  (32, 4096, "float8_e4m3fn")])
 def test_compiled_kernel_at_realistic_shapes(rng, batch, context, dtype, queries_in_n):
     """Against impl="xla" (fp32 inside; the oracle's loops would take minutes at these sizes),
-    with the config decode picks (and that config with the queries in N)."""
+    with the config decode picks on an H200 and the queries in N or in M."""
     paged = _realistic(rng, batch, context, dtype)
     scales = dict(k_scale=0.5, v_scale=0.25) if dtype == "float8_e4m3fn" else {}
     q, k_cache, _, tables, _ = paged.jax()
-    config = None
-    if queries_in_n:
-        shape = api.decode_shape(q, k_cache, tables)
-        config = in_n(dataclasses.replace(configs.lookup_mosaic(shape, "NVIDIA H200", 132),
-                                          num_consumers=1))
+    shape = api.decode_shape(q, k_cache, tables)
+    config = dataclasses.replace(configs.lookup_mosaic(shape, "NVIDIA H200", 132),
+                                 queries_in_n=queries_in_n)
     out, lse = pp.decode(*paged.jax(), impl="mosaic", config=config, return_lse=True, **scales)
     ref, ref_lse = pp.decode(*paged.jax(), impl="xla", return_lse=True, **scales)
     out = to_numpy(out).astype(np.float32)
@@ -698,7 +721,7 @@ def test_bench_mosaic_smoke(tmp_path, monkeypatch):
     from benchmarks import bench_mosaic
     monkeypatch.setattr(bench_mosaic, "SMOKE_SHAPES", bench_mosaic.SMOKE_SHAPES[:1])
     path = tmp_path / "rows.json"
-    assert bench_mosaic.main(["--smoke", "--config", "bk64/s2/st2/c2", "--config", "st3/c2",
+    assert bench_mosaic.main(["--smoke", "--config", "bk64/s2/st2/c2/qn0", "--config", "st3/c2/qn0",
                               "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
     assert {(r["shape"], r["impl"]) for r in rows} == {

@@ -234,42 +234,45 @@ class MosaicDecodeConfig:
 
 
 def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDecodeConfig:
-    """A reasonable Mosaic config for any shape, from the H200 measurements of 2026-12-01.
+    """A reasonable Mosaic config for any shape, from the H200 measurements of 2026-12-01/02
+    (`python -m benchmarks.bench_mosaic --config ...`, docs/BENCHMARKS.md).
 
-    - ``block_k``: 128-token tiles for 16-bit caches (fewer, larger wgmmas and barrier rounds:
-      b32_ctx4096 147 us vs 160 us with 64); 64 for fp8 caches, whose tiles are converted in
-      shared memory (128 measured 10% slower there).
-    - ``num_stages``: as many as hold about 128 KiB of K/V, 2 to 4 (more did not measure faster:
-      a CTA with two warpgroups and ~190 KiB of shared memory is alone on its multiprocessor).
+    - ``queries_in_n`` with one consumer warpgroup everywhere: the group's queries in the wgmmas'
+      N against the queries in M of the configs before, the other fields alike: bf16 B=32 1.09x,
+      B=128 1.18x, B=256 1.31x, MHA 1.10x, B=1 1.12x; fp8 B=32 and B=8 1.56x and 1.50x (against
+      two consumers of the queries in M, with 2 stages).
+    - ``block_k``: for 16-bit caches, 128-token tiles where the CTAs fit about one wave at one
+      CTA per multiprocessor (B=32: 141.9 us; B=1 with 32 splits: 54.5 us against 66.5-73.3 with
+      64), else 64 (B=128 141.9 us against 152.0 with 128, B=256 153.3 against 161.5: a CTA of
+      64-token tiles takes ~100 KB of shared memory, so two share a multiprocessor and one's
+      ring fills while the other computes). 64 for fp8 caches, whose tiles are converted in
+      shared memory (128 measured 1.22x slower there).
+    - ``num_stages``: 2 for 128-token 16-bit tiles (3 measured 2% slower at B=32), 3 for 64-token
+      ones (2: 1% slower at B=256, 1% faster at B=128), 4 for fp8 (B=32: 133.6 us; B=8: 2, 3 and
+      4 stages within 2%).
     - ``num_splits``: about two CTAs per multiprocessor, rounded to a power of two, without splits
-      shorter than 4 tiles (B=1/ctx 32768 with 8 kv heads: 32 splits, 55 us vs 62 us with 64;
-      B=32: 1 split).
-    - ``num_consumers``: 2 for fp8 caches, with 2 stages (the conversion runs in two warpgroups
-      at once: fp8_b32_ctx4096 208 us vs 246 us with one consumer and 4 stages); 1 for 16-bit
-      caches (two consumers of 64-token tiles measured 9-10% slower than one of 128-token tiles
-      at B=1, 32 and 128).
+      shorter than 4 tiles (B=1/ctx 32768 with 8 kv heads: 32 splits, 54.5 us against 74.9 with
+      16; B=32: 1 split).
     """
     itemsize = jnp.dtype(shape.cache_dtype).itemsize
-    block_k = 128 if itemsize == 2 else 64
-    stage_bytes = 2 * block_k * shape.head_dim * itemsize
-    num_consumers = 1 if itemsize == 2 else 2
-    num_stages = max(2, min(4, (128 * 1024) // stage_bytes)) if num_consumers == 1 else 2
     programs = max(shape.batch * shape.num_kv_heads, 1)
     wanted = (2 * sm_count) / programs
     splits = 1 << max(0, round(math.log2(wanted))) if wanted > 1 else 1
+    fp8 = itemsize == 1
+    one_wave = programs * splits <= 2 * sm_count
+    block_k = 128 if not fp8 and one_wave else 64
     splits = max(1, min(splits, max(1, shape.capacity // (4 * block_k)), 256))
+    num_stages = 4 if fp8 else 2 if block_k == 128 else 3
     return MosaicDecodeConfig(block_k=block_k, num_splits=splits, num_stages=num_stages,
-                              num_consumers=num_consumers)
+                              num_consumers=1, queries_in_n=True)
 
 
 # device kind -> shape class -> Mosaic config, measured like TUNED: `python -m benchmarks.bench_mosaic
 # --config ...` on an NVIDIA H200, 2026-12-01 (docs/BENCHMARKS.md, "the group's queries in the
 # wgmma's N").
 MOSAIC_TUNED: dict[str, dict[tuple, MosaicDecodeConfig]] = {"NVIDIA H200": {
-    # b32_ctx4096: 141.9 us vs 154.3 us heuristic (the queries in M) in one run
-    ("bfloat16", 128, 4, 16, 32, 4096): MosaicDecodeConfig(block_k=128, num_splits=1, num_stages=2, queries_in_n=True),
-    # fp8_b32_ctx4096: 133.6 us vs 208.2 us heuristic (2 consumers, 2 stages) in one run
-    ("float8_e4m3fn", 128, 4, 16, 32, 4096): MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=4, num_consumers=1, queries_in_n=True),
+    # Empty: the two entries measured before (bf16 and fp8, B=32, ctx 4096, the queries in N)
+    # are the heuristic's configs since 2026-12-02.
 }}
 
 

@@ -104,12 +104,13 @@ def value_tile_for_dot(v, compute_dtype, col_ok, *, at_load: bool):
     return v.astype(compute_dtype) * col_ok.astype(compute_dtype)[None, :]
 
 
-# u16 words that one compiled conversion of `fp8_pairs_to_f16` reads: 1 (one `cvt` per word, then
-# a byte permute per output register: the path run on the H200), or 2 (the two words' low bytes,
-# then their high bytes, brought together by one byte permute that the even and the odd output's
-# conversions share; fp8_b32_ctx4096's tile loop 692 instructions against 764 when compiled on the
-# CPU for sm_90, `python -m benchmarks.triton_sass --pair-words 2`; not yet run on a GPU).
-PAIR_WORDS_PER_CONVERSION = 1
+# u16 words that one compiled conversion of `fp8_pairs_to_f16` reads: 2 (the two words' low
+# bytes, then their high bytes, brought together by one byte permute that the even and the odd
+# output's conversions share: fp8_b32_ctx4096's tile loop 692 instructions against 764 compiled
+# for sm_90, `python -m benchmarks.triton_sass --pair-words 2`; on an H200, 2026-12-02,
+# fp8_b32_ctx4096 70.7 us against 71.6 and fp8_b8_ctx16384 74.4 against 75.3, the same outputs
+# bit for bit), or 1 (one `cvt` per word, then a byte permute per output register).
+PAIR_WORDS_PER_CONVERSION = 2
 
 
 def fp8_pairs_to_f16(words, *, interpret: bool, words_per_conversion: int | None = None):
