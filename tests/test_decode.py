@@ -292,12 +292,13 @@ def test_usable_inside_user_jit(rng, impl):
     np.testing.assert_allclose(to_numpy(step(*paged.jax())), 2 * run_jax(paged, impl), atol=1e-6)
 
 
-def _lowered_text(platform: str, impl: str) -> str:
-    q = jax.ShapeDtypeStruct((2, 8, 64), jnp.bfloat16)
-    cache = jax.ShapeDtypeStruct((40, 16, 2, 64), jnp.bfloat16)
+def _lowered_text(platform: str, impl: str, q_dtype=jnp.bfloat16, cache_dtype=None,
+                  **options) -> str:
+    q = jax.ShapeDtypeStruct((2, 8, 64), q_dtype)
+    cache = jax.ShapeDtypeStruct((40, 16, 2, 64), cache_dtype or q_dtype)
     tables = jax.ShapeDtypeStruct((2, 8), jnp.int32)
     lens = jax.ShapeDtypeStruct((2,), jnp.int32)
-    fn = functools.partial(pp.decode, impl=impl, interpret=False)
+    fn = functools.partial(pp.decode, impl=impl, interpret=False, **options)
     # Without a GPU, jax >= 0.12's Triton lowering asks for an abstract GPU to lower for.
     gpu = AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
     with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=gpu)):
@@ -309,6 +310,26 @@ def test_pallas_impl_lowers_to_the_triton_kernel():
     """Lowered for CUDA (works without a GPU), impl="pallas" is a Triton call of our kernel."""
     text = _lowered_text("cuda", "pallas")
     assert "__gpu$xla.gpu.triton" in text
+    assert "pallas_paged_decode" in text
+
+
+@pytest.mark.parametrize("q_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("fp8_cache", [False, True])
+@pytest.mark.parametrize("config", [None, pp.DecodeConfig(block_k=32, num_splits=2),
+                                    pp.DecodeConfig(block_k=32, num_splits=2, fp8_pairs=True),
+                                    pp.DecodeConfig(block_k=16, fp8_v_at_load=True)],
+                         ids=["default", "plain", "fp8_pairs", "fp8_v_at_load"])
+def test_triton_kernel_lowers_for_every_dtype(q_dtype, fp8_cache, config):
+    """Lowered for CUDA, Triton's own lowering checks what interpret mode lets through (a dot of
+    an fp32 and an fp16 operand, say): every query dtype, with its own cache dtype or an fp8
+    cache, with the default config and each fp8 option."""
+    if config is not None and not fp8_cache and config != pp.DecodeConfig(block_k=32,
+                                                                          num_splits=2):
+        pytest.skip("the fp8 options change nothing for 16- and 32-bit caches")
+    scales = dict(k_scale=0.5, v_scale=0.25) if fp8_cache else {}
+    text = _lowered_text("cuda", "pallas", q_dtype=jnp.dtype(q_dtype),
+                         cache_dtype=jnp.float8_e4m3fn if fp8_cache else None, config=config,
+                         **scales)
     assert "pallas_paged_decode" in text
 
 

@@ -155,8 +155,9 @@ TUNED: dict[str, dict[tuple, DecodeConfig]] = {"NVIDIA H200": {
     ("bfloat16", 256, 4, 16, 32, 4096): DecodeConfig(block_k=64, num_splits=1, num_warps=8, num_stages=2),
     # ragged_b64_ctx8192 (lengths uniform in 1..8192): 298.5 us vs 369.4 us heuristic (1.24x)
     ("bfloat16", 128, 4, 16, 64, 8192): DecodeConfig(block_k=128, num_splits=2, num_warps=4, num_stages=2),
-    # mha_b32_ctx4096: 518.2 us vs 534.9 us heuristic (1.03x)
-    ("bfloat16", 128, 1, 16, 32, 4096): DecodeConfig(block_k=128, num_splits=1, num_warps=4, num_stages=2),
+    # mha_b32_ctx4096: 518.2 us vs 534.9 us heuristic (1.03x); 3 stages 493.1 us vs 499.2 us
+    # with 2 in one run, 2026-12-02 (`python -m benchmarks.decode_anatomy`)
+    ("bfloat16", 128, 1, 16, 32, 4096): DecodeConfig(block_k=128, num_splits=1, num_warps=4, num_stages=3),
 }}
 
 

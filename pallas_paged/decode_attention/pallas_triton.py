@@ -376,7 +376,9 @@ def _paged_decode_kernel(
         alpha = softmax_exp(m_prev - m_safe, interpret=interpret)  # f32[Gp]
         p = softmax_exp(s - m_safe[:, None], interpret=interpret)  # f32[Gp, Tk], 0 where masked
         vs = load_tile(v_ref, slot, mask=kv_mask)  # [Tk, Dq] each
-        if not fp8_pairs:
+        if fp8_pairs:  # the pairs' fp16 tiles, in fp32 for an fp32 query
+            vs = tuple(v.astype(compute_dtype) for v in vs)
+        else:
             vs = (value_tile_for_dot(vs[0], compute_dtype, word_ok, at_load=fp8_v_at_load),)
         p_dot = p.astype(compute_dtype)
         accs = tuple(acc * alpha[:, None] + _dot_nn(p_dot, v) for acc, v in zip(accs, vs))
