@@ -9,7 +9,9 @@ permutations from `benchmarks.shapes`), in one process:
    ``decode`` picks itself) are checked against it first (`benchmarks.bench.compare`); a wrong or
    failing variant is reported as such and never timed.
 2. Each correct variant is timed with `benchmarks.bench.measure` (median of windows of
-   back-to-back calls). Problems that fit a few times in L2 rotate among copies of their inputs.
+   back-to-back calls). Problems that fit a few times in L2 rotate among copies of their inputs,
+   in straight-line calls of one jitted program (`benchmarks.bench`'s loop mode: at B=1 one call
+   per dispatch would time the host's dispatch, ~55 us, instead of the kernels).
 3. The figure of merit is bytes that must be read (K/V rows + q + output) over the time, as a
    fraction of the device-to-device copy bandwidth measured at the start of the same run
    (`benchmarks.bench.measure_copy_bandwidth`).
@@ -32,13 +34,14 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import math
 import sys
 
 import jax
 import numpy as np
 
 from benchmarks.bench import (Settings, _error, compare, measure, measure_copy_bandwidth,
-                              parse_config_label, smoke_settings)
+                              parse_config_label, per_call, repeated, smoke_settings)
 from benchmarks.shapes import DecodeBenchShape, make_decode_inputs, rotation_copies, shape_by_name
 from benchmarks.timing import kernel_variant
 from pallas_paged._platform import has_gpu, sm_count
@@ -168,14 +171,26 @@ def bench_shape(shape: DecodeBenchShape, s: Settings, copy_tbps: float, tune: bo
 
 
 def _run(impl, inputs, config, interpret, ref, copies, nbytes, copy_tbps, s) -> dict:
-    """Check (except the producer probe) and time one variant: the row's measured fields."""
+    """Check (except the producer probe) and time one variant: the row's measured fields.
+
+    One call per dispatch, or with ``copies`` > 1 (problems that fit in L2 a few times, so short
+    that host dispatch would be what is timed) `benchmarks.bench`'s loop mode: ``reps``
+    straight-line calls over the copies in one jitted program (`benchmarks.bench.repeated`)."""
     fn = _call(impl, inputs, config, interpret)
     row = {"correct": None} if impl == PRODUCER_PROBE else compare(fn(*inputs.args(0)), ref)
     if row["correct"] is False:
         return row
-    counter = itertools.count()
-    args = [inputs.args(i) for i in range(copies)]  # sliced once, outside the clock
-    timing = measure(lambda: fn(*args[next(counter) % copies]), 1, s)
+    if copies == 1:
+        args = inputs.args(0)
+        timing = measure(lambda: fn(*args), 1, s)
+    else:
+        reps = copies * max(1, math.ceil(s.loop_ops / copies))
+        calls = repeated(fn, reps)
+        args = (per_call(inputs.q, copies, reps), inputs.k_cache, inputs.v_cache,
+                [inputs.block_tables[i % copies] for i in range(reps)], inputs.context_lens)
+        jax.block_until_ready(calls(*args))  # compiled outside the clock
+        timing = measure(lambda: calls(*args), reps, s)
+        row.update(mode="loop", reps_per_call=reps)
     row["us"] = timing.median_us
     row["tbps"] = nbytes / (timing.median_us * 1e-6) / 1e12
     row["of_copy"] = row["tbps"] / copy_tbps

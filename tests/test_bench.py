@@ -1012,3 +1012,17 @@ def test_mosaic_reduce_race_checks_every_variant(capsys):
     one = mosaic_reduce_race.check(2, 0, 1, interpret=True, seed=3)
     assert one == dict(warpgroups=2, axis=0, tiles=2, wrong_tiles=0,
                        max_rel_err=one["max_rel_err"]) and one["max_rel_err"] < 1e-6
+
+
+def test_bench_mosaic_times_rotated_copies_in_straight_line_calls():
+    """`benchmarks.bench_mosaic` with several copies of a problem (those that fit in L2) times
+    `bench.repeated`'s straight-line calls over them, as `benchmarks.bench`'s loop mode does,
+    and reports the time per call."""
+    shape = bench_mosaic.SMOKE_SHAPES[0]
+    s = dataclasses.replace(bench.smoke_settings(bench.Settings(interpret=True)), loop_ops=4)
+    inputs = bench_mosaic.make_decode_inputs(shape, 0, copies=2)
+    ref = bench_mosaic._call("xla", inputs, None, True)(*inputs.args(0))
+    row = bench_mosaic._run("pallas", inputs, None, True, ref, 2, 1e6, 1.0, s)
+    assert row["correct"], row
+    assert row["mode"] == "loop" and row["reps_per_call"] == 4
+    assert row["us"] > 0 and row["of_copy"] > 0
