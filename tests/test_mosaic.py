@@ -406,7 +406,7 @@ def test_heuristic_config_fits_and_splits_small_batches():
                            capacity=32768, cache_dtype="bfloat16")
     from pallas_paged.decode_attention.configs import get_mosaic_heuristic_config
     config = get_mosaic_heuristic_config(shape, sm_count=132)
-    assert config.num_splits >= 32  # B=1: enough CTAs for 132 SMs
+    assert config.num_splits >= 16  # B=1: enough CTAs for 132 SMs
     for dtype in ("bfloat16", "float8_e4m3fn"):
         for head_dim in (64, 128):
             for batch, group in ((1, 4), (32, 4), (256, 4), (32, 1), (4, 64)):
@@ -418,7 +418,7 @@ def test_heuristic_config_fits_and_splits_small_batches():
 
 
 @pytest.mark.parametrize("batch,context,dtype,expected", [
-    (1, 32768, "bfloat16", MosaicDecodeConfig(block_k=128, num_splits=32, num_stages=2,
+    (1, 32768, "bfloat16", MosaicDecodeConfig(block_k=128, num_splits=16, num_stages=2,
                                               queries_in_n=True)),
     (32, 4096, "bfloat16", MosaicDecodeConfig(block_k=128, num_splits=1, num_stages=2,
                                               queries_in_n=True)),

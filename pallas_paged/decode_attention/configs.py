@@ -240,28 +240,29 @@ def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDeco
 
     - ``queries_in_n`` with one consumer warpgroup everywhere: the group's queries in the wgmmas'
       N against the queries in M of the configs before, the other fields alike: bf16 B=32 1.09x,
-      B=128 1.18x, B=256 1.31x, MHA 1.10x, B=1 1.12x; fp8 B=32 and B=8 1.56x and 1.50x (against
-      two consumers of the queries in M, with 2 stages).
-    - ``block_k``: for 16-bit caches, 128-token tiles where the CTAs fit about one wave at one
-      CTA per multiprocessor (B=32: 141.9 us; B=1 with 32 splits: 54.5 us against 66.5-73.3 with
-      64), else 64 (B=128 141.9 us against 152.0 with 128, B=256 153.3 against 161.5: a CTA of
+      B=128 1.18x, B=256 1.31x, MHA 1.10x; fp8 B=32 and B=8 1.56x and 1.50x (against two
+      consumers of the queries in M, with 2 stages).
+    - ``block_k``: for 16-bit caches, 128-token tiles where the CTAs fit about two waves at one
+      CTA per multiprocessor (B=32: 141.9 us; B=1 with 16 splits: 42.1 us against 43.8 with 64
+      and 4 stages), else 64 (B=128 141.9 us against 152.0 with 128, B=256 153.3 against 161.5: a CTA of
       64-token tiles takes ~100 KB of shared memory, so two share a multiprocessor and one's
       ring fills while the other computes). 64 for fp8 caches, whose tiles are converted in
       shared memory (128 measured 1.22x slower there).
     - ``num_stages``: 2 for 128-token 16-bit tiles (3 measured 2% slower at B=32), 3 for 64-token
       ones (2: 1% slower at B=256, 1% faster at B=128), 4 for fp8 (B=32: 133.6 us; B=8: 2, 3 and
       4 stages within 2%).
-    - ``num_splits``: about two CTAs per multiprocessor, rounded to a power of two, without splits
-      shorter than 4 tiles (B=1/ctx 32768 with 8 kv heads: 32 splits, 54.5 us against 74.9 with
-      16; B=32: 1 split).
+    - ``num_splits``, rounded to a power of two, without splits shorter than 4 tiles: for 16-bit
+      caches about one CTA per multiprocessor, one wave of long CTAs (B=1/ctx 32768 with 8 kv
+      heads: 16 splits, 42.1 us against 48.8 with 32 and 53.5 with 64, timed in straight-line
+      calls; B=32: 1 split); for fp8 caches about two (B=8/ctx 16384: 4 splits).
     """
     itemsize = jnp.dtype(shape.cache_dtype).itemsize
     programs = max(shape.batch * shape.num_kv_heads, 1)
-    wanted = (2 * sm_count) / programs
-    splits = 1 << max(0, round(math.log2(wanted))) if wanted > 1 else 1
     fp8 = itemsize == 1
-    one_wave = programs * splits <= 2 * sm_count
-    block_k = 128 if not fp8 and one_wave else 64
+    wanted = (2 if fp8 else 1) * sm_count / programs
+    splits = 1 << max(0, round(math.log2(wanted))) if wanted > 1 else 1
+    few_ctas = programs * splits <= 2 * sm_count  # two waves or fewer at one CTA per SM
+    block_k = 128 if not fp8 and few_ctas else 64
     splits = max(1, min(splits, max(1, shape.capacity // (4 * block_k)), 256))
     num_stages = 4 if fp8 else 2 if block_k == 128 else 3
     return MosaicDecodeConfig(block_k=block_k, num_splits=splits, num_stages=num_stages,
