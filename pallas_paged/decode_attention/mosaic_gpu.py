@@ -16,9 +16,10 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
      rows of the wgmma (padded to its minimum M of 64 with zero queries: decode is bound by reading
      the cache, not by the tensor cores): ``S = Q K^T`` and ``P V`` on the tensor cores with fp32
      accumulators, the online softmax in fp32 registers; then it frees the stage. With
-     ``MosaicDecodeConfig.queries_in_n`` the group is the wgmmas' N instead (padded to a
-     multiple of 8): ``S^T = K Q^T`` and ``O^T = V^T P^T``, the softmax over the tokens of
-     ``S^T``'s columns, P stored transposed, ``O^T`` written out whole. Consumer ``c``
+     ``MosaicDecodeConfig.queries_in_n`` (the heuristic's choice) the group is the wgmmas' N
+     instead (padded to a multiple of 8): ``S^T = K Q^T`` and ``O^T = V^T P^T``, the softmax
+     over the tokens of ``S^T``'s columns, P stored transposed, ``O^T`` written out whole.
+     Consumer ``c``
      of ``C`` takes the split's tiles ``c, c + C, ...``, which live in the ring's stages ``c, c +
      C, ...`` (``num_stages`` is a multiple of ``C``), so each stage's barriers have one waiter.
    Each consumer writes its unnormalized ``(o, m, l)`` as one of the ``num_splits * C`` partial
