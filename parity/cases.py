@@ -79,7 +79,9 @@ class Case:
       batch, num_heads, num_kv_heads, head_dim, block_size: the shapes of SPEC.md.
       spare_blocks: physical blocks that belong to no sequence (NaN-filled), mixed among the rest.
       dtype: the cache dtype, one of `DTYPES`; q and the new tokens share it, except that an fp8
-        cache takes bf16 q and bf16 new tokens.
+        cache takes q and new tokens in ``query_dtype``.
+      query_dtype: the dtype of q and of the new tokens for an fp8 cache: None (bf16), or
+        ``"float16"`` / ``"float32"``; refused for other caches.
       lengths: ``"edges"`` (0, the capacity, 1, bs+1, bs, bs-1, as many as the batch holds in that
         order, then uniform draws in ``[1, capacity]``; shuffled over the batch), ``"uniform"``
         (each in ``[1, capacity]``), or an explicit tuple of ``batch`` ints.
@@ -110,6 +112,7 @@ class Case:
     block_size: int = 16
     spare_blocks: int = 5
     dtype: str = "bfloat16"
+    query_dtype: str | None = None
     lengths: str | tuple[int, ...] = "edges"
     max_blocks: int | None = None
     seed: int = 0
@@ -165,6 +168,11 @@ class Case:
         if self.query_padding and self.new_tokens is None:
             raise ValueError(f"Case {self.name!r}: query_padding needs a ragged case (new_tokens)")
         fp8 = self.dtype == "float8_e4m3fn"
+        if self.query_dtype is not None and (
+                not fp8 or self.query_dtype not in ("bfloat16", "float16", "float32")):
+            raise ValueError(
+                f"Case {self.name!r}: query_dtype={self.query_dtype!r} is for float8_e4m3fn"
+                f" caches only, one of bfloat16, float16, float32 (got dtype={self.dtype})")
         has_scales = self.k_scale is not None and self.v_scale is not None
         if fp8 != has_scales or (not fp8 and (self.k_scale, self.v_scale) != (None, None)):
             raise ValueError(
@@ -194,8 +202,11 @@ class Case:
 
     @property
     def q_dtype(self) -> str:
-        """The dtype of q, of the new tokens and of the output (bf16 for an fp8 cache)."""
-        return "bfloat16" if self.dtype == "float8_e4m3fn" else self.dtype
+        """The dtype of q, of the new tokens and of the output (``query_dtype``, by default bf16,
+        for an fp8 cache)."""
+        if self.dtype == "float8_e4m3fn":
+            return self.query_dtype or "bfloat16"
+        return self.dtype
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -211,6 +222,9 @@ class Case:
             names.append("sinks")
         if self.dtype == "float8_e4m3fn":
             names.append("fp8")
+        if self.query_dtype is not None:
+            names.append({"bfloat16": "bf16q", "float16": "fp16q", "float32": "fp32q"}[
+                self.query_dtype])
         if self.return_lse:
             names.append("lse")
         if self.ragged:
@@ -466,6 +480,10 @@ DEFAULT_SUITE: tuple[Case, ...] = (
     _named(8, 2, 64, 16, "bfloat16", "_sinks", sinks=True),
     _named(8, 2, 128, 16, "float8_e4m3fn", **FP8_SCALES),
     _named(8, 2, 64, 5, "float8_e4m3fn", "_arrayscales", array_scales=True, **FP8_SCALES),
+    _named(8, 2, 64, 16, "float8_e4m3fn", "_fp32q", query_dtype="float32", return_lse=True,
+           **FP8_SCALES),
+    _named(8, 2, 128, 12, "float8_e4m3fn", "_fp16q_all", query_dtype="float16", **FP8_SCALES,
+           **ALL_OPTIONS),
     _named(8, 2, 64, 16, "bfloat16", "_lse", return_lse=True),
     _named(4, 4, 64, 5, "float32", "_lse", return_lse=True),
     # All together, and through the split-K merge.
@@ -531,7 +549,9 @@ def _full_suite() -> tuple[Case, ...]:
                                            sinks=True, return_lse=True)),
                              ("_fp8_all", dict(logits_soft_cap=30.0, alibi=True,
                                                sliding_window=700, sinks=True, return_lse=True,
-                                               **fp8))):
+                                               **fp8)),
+                             ("_fp8_fp16q", dict(query_dtype="float16", **fp8)),
+                             ("_fp8_fp32q", dict(query_dtype="float32", return_lse=True, **fp8))):
             dtype = opts.pop("dtype", "bfloat16")
             cases.append(_named(h, kvh, d, bs, dtype, f"_b{batch}_ctx{ctx}{suffix}", **big, **opts))
     # Ragged: prefill chunks of 64-512 over longer cached contexts, whole prompts, speculative

@@ -153,6 +153,11 @@ def test_default_suite_covers_the_brief():
     assert any(set(c.options) >= everything | {"fp8"} for c in suite)
     assert {c.dtype for c in suite if set(c.options) >= everything} == set(cases.DTYPES)
     assert any(c.num_splits and c.num_splits > 1 for c in suite)
+    # fp8 caches read with every query dtype the kernels take
+    assert {c.q_dtype for c in suite if c.dtype == "float8_e4m3fn"} == {
+        "bfloat16", "float16", "float32"}
+    assert {c.q_dtype for c in cases.FULL_SUITE if c.dtype == "float8_e4m3fn"} == {
+        "bfloat16", "float16", "float32"}
     assert all(c.batch <= 6 and c.capacity <= 200 for c in suite if not c.ragged)
     # Ragged: small enough for interpret mode, and every kind of query length of the brief.
     ragged = [c for c in suite if c.ragged]
@@ -695,3 +700,18 @@ def test_impl_mosaic_beside_others_keeps_every_case_for_them(tmp_path, capsys):
     kernel_api = mosaic_gpu.jax_version() >= mosaic_gpu.MIN_JAX
     assert impls["gqa4_h8_d64_bs16_bf16_lse"] == (
         {"torch", "pallas", "mosaic"} if kernel_api else {"torch", "pallas"})
+
+
+def test_query_dtype_is_for_fp8_caches_and_sets_the_query_and_output_dtype():
+    case = cases.Case(name="fp8_fp32q", dtype="float8_e4m3fn", query_dtype="float32",
+                      k_scale=0.5, v_scale=0.5, batch=2)
+    assert case.q_dtype == "float32" and "fp32q" in case.options
+    x = make_inputs(case)
+    assert x["q"].dtype == np.float32 and x["k_cache"].dtype == cases.NP_DTYPES["float8_e4m3fn"]
+    assert cases.Case(name="fp8", dtype="float8_e4m3fn", k_scale=0.5, v_scale=0.5).q_dtype == \
+        "bfloat16"
+    with pytest.raises(ValueError, match="query_dtype='float32' is for float8_e4m3fn caches"):
+        cases.Case(name="bf16", dtype="bfloat16", query_dtype="float32")
+    with pytest.raises(ValueError, match="query_dtype='int8'"):
+        cases.Case(name="fp8", dtype="float8_e4m3fn", query_dtype="int8", k_scale=0.5,
+                   v_scale=0.5)
