@@ -258,6 +258,23 @@ def per_call(stacked, copies: int, reps: int) -> list:
     return [jnp.array(stacked[i % copies], copy=True) for i in range(reps)]
 
 
+def loop_reps(copies: int, loop_ops: int) -> int:
+    """Operations per call in loop mode: at least ``loop_ops``, a whole number of passes over the
+    ``copies`` (1 when there is one copy: dispatch mode)."""
+    return copies * max(1, math.ceil(loop_ops / copies)) if copies > 1 else 1
+
+
+def loop_args(inputs, copies: int, reps: int, q=None, tables=None) -> tuple:
+    """`repeated`'s arguments over ``inputs`` (a `DecodeInputs`): every call's own query (`per_call`)
+    and its copy's table, then the shared caches and lengths; ``q`` / ``tables`` (stacked per
+    copy) replace the inputs' own."""
+    q = inputs.q if q is None else q
+    tables = inputs.block_tables if tables is None else tables
+    shared_tables = [tables[i] for i in range(copies)]  # sliced once per copy
+    return (per_call(q, copies, reps), inputs.k_cache, inputs.v_cache,
+            [shared_tables[i % copies] for i in range(reps)], inputs.context_lens)
+
+
 def loop_probe(reps: int):
     """`repeated`'s calls with a body that only reads its q and table into one small fusion: its
     time per call is what launching a call costs, included in every "loop" figure."""
@@ -522,7 +539,7 @@ class ShapeBench:
         copies = s.copies or rotation_copies(shape, min_bytes=ROTATE_BYTES,
                                              max_copies=s.max_copies)
         mode = "loop" if copies > 1 else "dispatch"
-        reps = copies * max(1, math.ceil(s.loop_ops / copies)) if mode == "loop" else 1
+        reps = loop_reps(copies, s.loop_ops)
         self.copies, self.mode, self.reps = copies, mode, reps
         t0 = time.perf_counter()
         inputs = make_decode_inputs(shape, s.seed, copies=copies)
@@ -560,9 +577,7 @@ class ShapeBench:
         tables = inputs.block_tables if tables is None else tables
         if self.mode == "dispatch":
             return (q[0], inputs.k_cache, inputs.v_cache, tables[0], inputs.context_lens)
-        shared_tables = [tables[i] for i in range(self.copies)]
-        return (per_call(q, self.copies, self.reps), inputs.k_cache, inputs.v_cache,
-                [shared_tables[i % self.copies] for i in range(self.reps)], inputs.context_lens)
+        return loop_args(inputs, self.copies, self.reps, q=q, tables=tables)
 
     def _wrap(self, call):
         if self.mode == "dispatch":
@@ -1342,7 +1357,7 @@ def plan(shapes, impls, s: Settings, tune: bool, sms: int) -> str:
         copies = s.copies or rotation_copies(shape, min_bytes=ROTATE_BYTES,
                                              max_copies=s.max_copies)
         mode = "loop" if copies > 1 else "dispatch"
-        reps = copies * max(1, math.ceil(s.loop_ops / copies)) if mode == "loop" else 1
+        reps = loop_reps(copies, s.loop_ops)
         touched = shape.expected_tokens_read() * shape.kv_bytes_per_token
         cache = copies * shape.batch * shape.capacity * shape.kv_bytes_per_token
         parts = []

@@ -34,14 +34,14 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import math
 import sys
 
 import jax
 import numpy as np
 
 from benchmarks.bench import (Settings, _error, compare, measure, measure_copy_bandwidth,
-                              parse_config_label, per_call, repeated, smoke_settings)
+                              loop_args, loop_reps, parse_config_label, repeated,
+                              smoke_settings)
 from benchmarks.shapes import DecodeBenchShape, make_decode_inputs, rotation_copies, shape_by_name
 from benchmarks.timing import kernel_variant
 from pallas_paged._platform import has_gpu, sm_count
@@ -184,10 +184,9 @@ def _run(impl, inputs, config, interpret, ref, copies, nbytes, copy_tbps, s) -> 
         args = inputs.args(0)
         timing = measure(lambda: fn(*args), 1, s)
     else:
-        reps = copies * max(1, math.ceil(s.loop_ops / copies))
+        reps = loop_reps(copies, s.loop_ops)
         calls = repeated(fn, reps)
-        args = (per_call(inputs.q, copies, reps), inputs.k_cache, inputs.v_cache,
-                [inputs.block_tables[i % copies] for i in range(reps)], inputs.context_lens)
+        args = loop_args(inputs, copies, reps)
         jax.block_until_ready(calls(*args))  # compiled outside the clock
         timing = measure(lambda: calls(*args), reps, s)
         row.update(mode="loop", reps_per_call=reps)

@@ -60,6 +60,8 @@ NP_DTYPES = {
     "float16": np.dtype(np.float16),
     "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
 }
+# Short dtype names, in case names and option labels.
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8"}
 LENGTH_POLICIES = ("edges", "uniform")
 FP8_MAX = 448.0
 # Values of the padding tokens (slot -1): a write that lets one through leaves an obvious mark.
@@ -223,8 +225,7 @@ class Case:
         if self.dtype == "float8_e4m3fn":
             names.append("fp8")
         if self.query_dtype is not None:
-            names.append({"bfloat16": "bf16q", "float16": "fp16q", "float32": "fp32q"}[
-                self.query_dtype])
+            names.append(f"{SHORT_DTYPES[self.query_dtype]}q")
         if self.return_lse:
             names.append("lse")
         if self.ragged:
@@ -446,8 +447,7 @@ def _gqa(h: int, kvh: int) -> str:
 
 def _named(h: int, kvh: int, d: int, bs: int, dtype: str, suffix: str = "", **kw) -> Case:
     """A case named after its shape; its seed, unless given, is derived from the name."""
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8"}
-    name = f"{_gqa(h, kvh)}_h{h}_d{d}_bs{bs}_{short[dtype]}{suffix}"
+    name = f"{_gqa(h, kvh)}_h{h}_d{d}_bs{bs}_{SHORT_DTYPES[dtype]}{suffix}"
     kw.setdefault("seed", zlib.crc32(name.encode()) % 2**16)
     return Case(name=name, num_heads=h, num_kv_heads=kvh, head_dim=d, block_size=bs, dtype=dtype,
                 **kw)

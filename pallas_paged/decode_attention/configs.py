@@ -244,9 +244,9 @@ def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDeco
       consumers of the queries in M, with 2 stages).
     - ``block_k``: for 16-bit caches, 128-token tiles where the CTAs fit about two waves at one
       CTA per multiprocessor (B=32: 141.9 us; B=1 with 16 splits: 42.1 us against 43.8 with 64
-      and 4 stages), else 64 (B=128 141.9 us against 152.0 with 128, B=256 153.3 against 161.5: a CTA of
-      64-token tiles takes ~100 KB of shared memory, so two share a multiprocessor and one's
-      ring fills while the other computes). 64 for fp8 caches, whose tiles are converted in
+      and 4 stages), else 64 (B=128 141.9 us against 152.0 with 128, B=256 153.3 against 161.5:
+      a CTA of 64-token tiles takes ~100 KB of shared memory, so two share a multiprocessor and
+      one's ring fills while the other computes). 64 for fp8 caches, whose tiles are converted in
       shared memory (128 measured 1.22x slower there).
     - ``num_stages``: 2 for 128-token 16-bit tiles (3 measured 2% slower at B=32), 3 for 64-token
       ones (2: 1% slower at B=256, 1% faster at B=128), 4 for fp8 (B=32: 133.6 us; B=8: 2, 3 and
