@@ -361,6 +361,10 @@ def test_config_type_and_fields_are_checked():
         MosaicDecodeConfig(queries_in_n=1)
     with pytest.raises(ValueError, match=r"queries_in_n=True, num_consumers=2.*one consumer"):
         in_n(TWO_CONSUMERS)
+    with pytest.raises(ValueError, match="fp8_k_in_registers=0 must be a bool"):
+        MosaicDecodeConfig(queries_in_n=True, fp8_k_in_registers=0)
+    with pytest.raises(ValueError, match=r"fp8_k_in_registers=True, queries_in_n=False.*A operand"):
+        MosaicDecodeConfig(fp8_k_in_registers=True)
     with pytest.raises(ValueError, match="shared memory"):
         jax.eval_shape(functools.partial(
             pp.decode, impl="mosaic", interpret=True,
@@ -424,8 +428,10 @@ def test_heuristic_config_fits_and_splits_small_batches():
                                               queries_in_n=True)),
     (128, 1024, "bfloat16", MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=3,
                                                queries_in_n=True)),
-    (8, 16384, "float8_e4m3fn", MosaicDecodeConfig(block_k=64, num_splits=4, num_stages=4,
-                                                   queries_in_n=True)),
+    (8, 16384, "float8_e4m3fn", MosaicDecodeConfig(block_k=64, num_splits=4, num_stages=2,
+                                                   queries_in_n=True, fp8_k_in_registers=True)),
+    (32, 4096, "float8_e4m3fn", MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=2,
+                                                   queries_in_n=True, fp8_k_in_registers=True)),
 ])
 def test_heuristic_config_at_the_measured_shapes(batch, context, dtype, expected):
     """The configs measured fastest on the H200 (docs/BENCHMARKS.md): the queries in N with one
@@ -604,6 +610,14 @@ LOWERINGS = {
                                                kvh=2, config=QN_FOUR_STAGES),
     "queries_in_n_fp8_every_option": dict(cache_dtype=jnp.float8_e4m3fn, scales=True,
                                           options=True, config=QN_FOUR_STAGES),
+    # fp8 K tiles converted in registers, the S^T wgmma's A operand
+    "fp8_k_in_registers_every_option": dict(
+        cache_dtype=jnp.float8_e4m3fn, scales=True, options=True,
+        config=dataclasses.replace(QN_FOUR_STAGES, fp8_k_in_registers=True)),
+    "fp8_k_in_registers_fp16_d64_bk128": dict(
+        dtype=jnp.float16, cache_dtype=jnp.float8_e4m3fn, scales=True, head_dim=64,
+        config=MosaicDecodeConfig(block_k=128, num_stages=2, queries_in_n=True,
+                                  fp8_k_in_registers=True)),
     # the group in the wgmmas' M (padded to 64 rows), two consumers
     "queries_in_m_fp8_two_consumers_every_option": dict(
         dtype=jnp.float16, cache_dtype=jnp.float8_e4m3fn, scales=True, options=True,
@@ -637,6 +651,7 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
     assert mosaic_gpu.KERNEL_NAME in text and "xla.gpu.triton" not in text
     ran = config or api.picked_config(args[0], args[1], args[3], impl="mosaic")
     assert ("_qn" in text) == ran.queries_in_n
+    assert ("_kreg" in text) == (ran.fp8_k_in_registers and args[1].dtype == jnp.float8_e4m3fn)
 
 
 # --- the compiled kernel on a GPU ------------------------------------------------------------------
@@ -683,6 +698,34 @@ def test_compiled_kernel_at_realistic_shapes(rng, batch, context, dtype, queries
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("block_k,num_stages", [(64, 4), (128, 2)])
+def test_compiled_fp8_k_in_registers_matches_the_shared_memory_path(rng, q_dtype, block_k,
+                                                                    num_stages):
+    """The fp8 K tile converted in registers as the wgmma's A operand gives the shared-memory
+    path's outputs bit for bit (the same exact conversion, the same products), with every option,
+    splits and NaN in the unused slots."""
+    paged = make_paged(rng, lens=[5000, 1700, 0, 333], num_heads=32, num_kv_heads=8,
+                       head_dim=128, block_size=16, dtype="float8_e4m3fn", q_dtype=q_dtype,
+                       fill=np.nan)
+    options = every_option(rng, 32)
+    options["sliding_window"] = 1500
+    jax_options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in options.items()}
+    config = MosaicDecodeConfig(block_k=block_k, num_splits=4, num_stages=num_stages,
+                                queries_in_n=True)
+    outs = [pp.decode(*paged.jax(), impl="mosaic", return_lse=True, k_scale=0.5, v_scale=0.25,
+                      config=dataclasses.replace(config, fp8_k_in_registers=registers),
+                      **jax_options) for registers in (False, True)]
+    ref = pp.decode(*paged.jax(), impl="xla", k_scale=0.5, v_scale=0.25, **jax_options)
+    (smem_out, smem_lse), (reg_out, reg_lse) = outs
+    np.testing.assert_array_equal(to_numpy(reg_out).astype(np.float32),
+                                  to_numpy(smem_out).astype(np.float32))
+    np.testing.assert_array_equal(to_numpy(reg_lse), to_numpy(smem_lse))
+    np.testing.assert_allclose(to_numpy(reg_out).astype(np.float32),
+                               to_numpy(ref).astype(np.float32), atol=2e-2, rtol=0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_consumers,num_stages,queries_in_n",
                          [(1, 4, False), (2, 2, False), (1, 2, True), (1, 4, True)])
 def test_compiled_kernel_every_option_with_splits(rng, num_consumers, num_stages, queries_in_n):
@@ -710,7 +753,11 @@ def test_bench_mosaic_config_labels():
     assert MosaicDecodeConfig(**bench_mosaic.parse_config("bk128/s4/st2/c1/qn1")) == in_n(one)
     assert bench_mosaic.parse_config("st4/c2") == {"num_stages": 4, "num_consumers": 2}
     assert bench_mosaic.parse_config("qn0") == {"queries_in_n": False}
-    for bad in ("bk64/s1/x2", "bk64/s", "c2/c1", "", "qn2"):
+    registers = dataclasses.replace(in_n(one), fp8_k_in_registers=True)
+    assert bench.config_label(registers) == "bk128/s4/st2/c1/qn1/kr1"
+    parsed = bench_mosaic.parse_config(bench.config_label(registers))
+    assert MosaicDecodeConfig(**parsed) == registers
+    for bad in ("bk64/s1/x2", "bk64/s", "c2/c1", "", "qn2", "kr2"):
         with pytest.raises(ValueError):
             bench_mosaic.parse_config(bad)
 

@@ -197,6 +197,12 @@ class MosaicDecodeConfig:
         accumulator is 8 columns instead of 64 rows, and P is 8 rows instead of 64 in shared
         memory. One consumer warpgroup only (with two, the compiled kernel's results raced).
         On the H200: bf16 B=32 154.3 -> 141.9 us, fp8 B=32 (4 stages) 208.2 -> 133.6 us.
+      fp8_k_in_registers: fp8 caches, with ``queries_in_n``: each K tile is loaded from its stage
+        into registers, converted to fp16 there and given to the ``S^T = K Q^T`` wgmma as its A
+        operand, instead of being written back to shared memory as an fp16 tile first (the same
+        numbers: the conversion is exact). Compiled kernels only: interpret mode takes wgmma
+        operands from shared memory, so there the tile takes the shared-memory path. No effect
+        on 16-bit caches, whose stage is the operand as it is.
     """
 
     block_k: int = 64
@@ -204,15 +210,22 @@ class MosaicDecodeConfig:
     num_stages: int = 3
     num_consumers: int = 1
     queries_in_n: bool = False
+    fp8_k_in_registers: bool = False
 
     def __post_init__(self):
         for name in ("block_k", "num_splits", "num_stages", "num_consumers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MosaicDecodeConfig.{name}={value!r} must be a positive int")
-        if not isinstance(self.queries_in_n, bool):
+        for name in ("queries_in_n", "fp8_k_in_registers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"MosaicDecodeConfig.{name}={getattr(self, name)!r} must be a bool")
+        if self.fp8_k_in_registers and not self.queries_in_n:
             raise ValueError(
-                f"MosaicDecodeConfig.queries_in_n={self.queries_in_n!r} must be a bool")
+                "MosaicDecodeConfig(fp8_k_in_registers=True, queries_in_n=False): K is the A"
+                " operand of a wgmma (the one operand registers can hold) only with the queries"
+                " in N")
         if self.queries_in_n and self.num_consumers > 1:
             # Measured on the H200 (jax 0.11.2): with two consumer warpgroups the compiled kernel's
             # lse differed from impl="xla" by up to 0.8, run to run (one consumer: 1e-6); the
@@ -246,11 +259,13 @@ def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDeco
       CTA per multiprocessor (B=32: 141.9 us; B=1 with 16 splits: 42.1 us against 43.8 with 64
       and 4 stages), else 64 (B=128 141.9 us against 152.0 with 128, B=256 153.3 against 161.5:
       a CTA of 64-token tiles takes ~100 KB of shared memory, so two share a multiprocessor and
-      one's ring fills while the other computes). 64 for fp8 caches, whose tiles are converted in
-      shared memory (128 measured 1.22x slower there).
+      one's ring fills while the other computes). 64 for fp8 caches, whose tiles are converted by
+      the consumer (128 measured 1.22x slower there, 1.23x with the K tile in registers).
     - ``num_stages``: 2 for 128-token 16-bit tiles (3 measured 2% slower at B=32), 3 for 64-token
-      ones (2: 1% slower at B=256, 1% faster at B=128), 4 for fp8 (B=32: 133.6 us; B=8: 2, 3 and
-      4 stages within 2%).
+      ones (2: 1% slower at B=256, 1% faster at B=128), 2 for fp8 (with the K tile in registers:
+      B=32 123.3 us, 3 stages 122.5, 4 stages 123.1; B=8 123.6, 125.8, 126.6).
+    - ``fp8_k_in_registers`` for fp8 caches: B=32 130.3 -> 123.1 us, B=8 134.2 -> 126.6 us (4
+      stages each), the outputs bit for bit the same.
     - ``num_splits``, rounded to a power of two, without splits shorter than 4 tiles: for 16-bit
       caches about one CTA per multiprocessor, one wave of long CTAs (B=1/ctx 32768 with 8 kv
       heads: 16 splits, 42.1 us against 48.8 with 32 and 53.5 with 64, timed in straight-line
@@ -264,9 +279,9 @@ def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDeco
     few_ctas = programs * splits <= 2 * sm_count  # two waves or fewer at one CTA per SM
     block_k = 128 if not fp8 and few_ctas else 64
     splits = max(1, min(splits, max(1, shape.capacity // (4 * block_k)), 256))
-    num_stages = 4 if fp8 else 2 if block_k == 128 else 3
+    num_stages = 2 if fp8 or block_k == 128 else 3
     return MosaicDecodeConfig(block_k=block_k, num_splits=splits, num_stages=num_stages,
-                              num_consumers=1, queries_in_n=True)
+                              num_consumers=1, queries_in_n=True, fp8_k_in_registers=fp8)
 
 
 # device kind -> shape class -> Mosaic config, measured like TUNED: `python -m benchmarks.bench_mosaic

@@ -47,8 +47,10 @@ Supported (anything else is a ValueError naming the argument):
 
 - bf16 / fp16 queries (fp32 would run the tensor cores in TF32, which SPEC forbids: use
   ``impl="pallas"`` or ``"xla"``);
-- caches of the query's dtype, or float8_e4m3fn: tiles converted to fp16 in shared memory (sm_90's
-  one hardware conversion from e4m3; exact), a bf16 query divided by a power of two into fp16's
+- caches of the query's dtype, or float8_e4m3fn: tiles converted to fp16 (sm_90's one hardware
+  conversion from e4m3; exact), V in shared memory, K in shared memory or, with
+  ``MosaicDecodeConfig.fp8_k_in_registers`` (the heuristic's choice; compiled only), in registers
+  as the ``S^T = K Q^T`` wgmma's A operand; a bf16 query divided by a power of two into fp16's
   range as in the Triton kernel, the scores multiplied back;
 - ``head_dim`` 64 or 128 (32: Mosaic's layout inference finds no layout for 64-byte rows; 256: the
   fp32 output staging does not fit in shared memory beside two stages);
@@ -107,8 +109,8 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
     rows = query_rows(group, config)
     total = rows * head_dim * compute                        # q
     total += 2 * config.num_stages * tile * cache            # the K and V ring
-    if jnp.dtype(cache_dtype) != jnp.dtype(compute_dtype):
-        total += consumers * 2 * tile * compute              # converted K and V tiles
+    if jnp.dtype(cache_dtype) != jnp.dtype(compute_dtype):   # converted V (and K) tiles
+        total += consumers * (1 if config.fp8_k_in_registers else 2) * tile * compute
     total += consumers * rows * config.block_k * compute     # P
     total += consumers * rows * (head_dim + 2) * 4           # o, m, l
     total += rows * 4 * alibi                                # the slopes
@@ -229,6 +231,7 @@ def _paged_decode_kernel(
     num_stages: int,
     num_consumers: int,
     queries_in_n: bool,
+    fp8_k_in_registers: bool,
     soft_cap: float | None,
     window: int | None,
     compute_dtype,
@@ -261,7 +264,8 @@ def _paged_decode_kernel(
              q_bar, k_bars, v_bars, free_bars):
         # q_smem [R, D] (R = q_rows); k_smem, v_smem [stages, block_k, D] in the cache dtype; per
         # consumer (leading axis C): kc_smem, vc_smem [C, block_k, D] in compute_dtype (fp8
-        # caches only, else None), p_smem [C, R, block_k] in compute_dtype, o_smem f32[C, R, D]
+        # caches only, else None; kc_smem None with fp8_k_in_registers too), p_smem [C, R,
+        # block_k] in compute_dtype, o_smem f32[C, R, D]
         # (queries_in_n: [C, D, R], O^T), ml_smem f32[C, 2, R]; alibi_smem f32[R] or None.
         # Barriers: q_bar (queries and slopes); k_bars[stages], v_bars[stages] (TMA done);
         # free_bars[stages] (a consumer is done with a stage).
@@ -351,7 +355,12 @@ def _paged_decode_kernel(
             partial = (tile * block_k < first) | ((tile + 1) * block_k > n)
 
             plgpu.barrier_wait(k_bars.at[slot])
-            if convert:
+            if fp8_k_in_registers:
+                # fp8 K straight into registers in the layout that converts to wgmma's A operand
+                # with one warp shuffle: no fp16 copy of the tile in shared memory.
+                k8 = plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X)
+                k_tile = plgpu.layout_cast(_from_fp8(k8, compute_dtype), plgpu.Layout.WGMMA)
+            elif convert:
                 kc_smem[...] = _from_fp8(k_smem[slot], compute_dtype)
                 plgpu.commit_smem()
                 k_tile = kc_smem
@@ -475,7 +484,8 @@ def _paged_decode_kernel(
         smem((q_rows, head_dim), compute_dtype, mma_operand=True),
         smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
         smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
-        smem((consumers, block_k, head_dim), compute_dtype, mma_operand=True) if convert else None,
+        (smem((consumers, block_k, head_dim), compute_dtype, mma_operand=True)
+         if convert and not fp8_k_in_registers else None),
         smem((consumers, block_k, head_dim), compute_dtype, mma_operand=True) if convert else None,
         smem((consumers, q_rows, block_k), compute_dtype, mma_operand=True),
         smem((q_rows,), jnp.float32, mma_operand=False) if alibi_ref is not None else None,
@@ -554,6 +564,10 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
         _paged_decode_kernel, plgpu=plgpu, scale=scale, group=group,
         block_k=config.block_k, num_splits=splits, num_stages=config.num_stages,
         num_consumers=config.num_consumers, queries_in_n=config.queries_in_n,
+        # Interpret mode takes wgmma operands from shared memory only: the same numbers through
+        # the converted tile in shared memory there.
+        fp8_k_in_registers=(config.fp8_k_in_registers and compute_dtype != k_cache.dtype
+                            and not interpret),
         soft_cap=logits_soft_cap, window=sliding_window,
         compute_dtype=compute_dtype, producer_only=producer_only)
     optional = {"alibi": alibi, "scores": score_multipliers}  # inputs only some calls have
@@ -572,6 +586,7 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
     name = (f"{KERNEL_NAME}_bk{config.block_k}_s{splits}_st{config.num_stages}"
             f"_c{config.num_consumers}_g{group}_d{head_dim}_bs{k_cache.shape[1]}"
             + ("_qn" if config.queries_in_n else "")
+            + ("_kreg" if config.fp8_k_in_registers and k_cache.dtype == FP8 else "")
             + ("_producer_only" if producer_only else ""))
     o, m, l = plgpu.kernel(
         kernel_body,
