@@ -18,6 +18,9 @@ those fields, row ``decode LABEL``; default shapes:
   with ``DecodeConfig.fp8_v_at_load`` the other way: where the V tile's conversion belongs;
 - ``decode, N words per fp8 pair conversion`` (fp8 caches read as column pairs): the default
   with `pallas_triton.PAIR_WORDS_PER_CONVERSION` the other way (1 or 2);
+- ``decode, K/V loads evict_first``: the default with `pallas_triton.KV_EVICTION_POLICY`
+  ``"evict_first"`` (each cached row is read once: whether marking its L2 lines first to go
+  keeps the table and the partial results in L2);
 - ``decode, merge in kernel``: ``DecodeConfig.merge_in_kernel`` (the last split of each row
   merges; one launch) at the default split count, half and twice it;
 - ``kernel only`` / ``merge only``: the Pallas kernel without the split merge, and the merge
@@ -348,6 +351,8 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
         with kernel_variant({(decode_triton, "PAIR_WORDS_PER_CONVERSION"): other}):
             timed(f"decode, {other} words per fp8 pair conversion", decode_fn(default),
                   check=True, config=default)
+    with kernel_variant({(decode_triton, "KV_EVICTION_POLICY"): "evict_first"}):
+        timed("decode, K/V loads evict_first", decode_fn(default), check=True, config=default)
     timed("loop overhead (slices only)",
           lambda q, t: q.astype(jnp.float32) + t[:, :1, None].astype(jnp.float32), caches=())
     if default.num_splits > 1:

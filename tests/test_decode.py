@@ -17,6 +17,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 import pallas_paged as pp
 import torch_ref
+from pallas_paged.decode_attention import pallas_triton as decode_triton
 from oracle import oracle_paged_attention
 from paged_inputs import make_paged, to_numpy, to_torch
 
@@ -330,6 +331,18 @@ def test_triton_kernel_lowers_for_every_dtype(q_dtype, fp8_cache, config):
                          cache_dtype=jnp.float8_e4m3fn if fp8_cache else None, config=config,
                          **scales)
     assert "pallas_paged_decode" in text
+
+
+def test_kv_eviction_policy_reaches_the_compiled_kernel():
+    """`pallas_triton.KV_EVICTION_POLICY` (the K/V loads' L2 policy, a probe of decode_anatomy)
+    changes the Triton kernel lowered for CUDA; the default is Triton's normal policy."""
+    from benchmarks.timing import kernel_variant
+    assert decode_triton.KV_EVICTION_POLICY is None
+    default = _lowered_text("cuda", "pallas")
+    with kernel_variant({(decode_triton, "KV_EVICTION_POLICY"): "evict_first"}):
+        first = _lowered_text("cuda", "pallas")
+    assert "pallas_paged_decode" in first and first != default
+    assert _lowered_text("cuda", "pallas") == default
 
 
 def test_compiled_triton_kernels_take_the_hardware_exp2():

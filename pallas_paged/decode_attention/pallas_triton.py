@@ -183,13 +183,20 @@ def column_parts(padded_dim: int, head_dim: int, *, fp8_pairs: bool):
     return words, words < head_dim // parts, [parts * words + part for part in range(parts)]
 
 
+# The L2 eviction policy of the K/V tile loads (Triton's ``evict_normal``, ``evict_first`` or
+# ``evict_last``; None: the default, normal). Each cached row is read once per call; a probe of
+# `benchmarks.decode_anatomy` ("K/V loads evict_first") times the other policy.
+KV_EVICTION_POLICY: str | None = None
+
+
 def load_kv_parts(ref, slot, h, words, mask, *, fp8_pairs: bool, interpret: bool):
     """A tile of K or V rows (slots ``slot`` i32[Tk] of kv head ``h`` in the `slot_major` cache
     ``ref``) as a tuple of its `column_parts` tiles [Tk, Dq]: with ``fp8_pairs`` the even and the
     odd columns in fp16, else the rows in the cache's dtype. ``mask`` bool[Tk, Dq] or None (masked
     elements are 0)."""
     other = None if mask is None else (0 if fp8_pairs else 0.0)  # u16 words, or floats
-    tile = plgpu.load(ref.at[slot[:, None], h, words[None, :]], mask=mask, other=other)
+    tile = plgpu.load(ref.at[slot[:, None], h, words[None, :]], mask=mask, other=other,
+                      eviction_policy=KV_EVICTION_POLICY)
     return fp8_pairs_to_f16(tile, interpret=interpret) if fp8_pairs else (tile,)
 
 
