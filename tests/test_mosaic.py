@@ -687,8 +687,9 @@ def test_compiled_kernel_at_realistic_shapes(rng, batch, context, dtype, queries
     scales = dict(k_scale=0.5, v_scale=0.25) if dtype == "float8_e4m3fn" else {}
     q, k_cache, _, tables, _ = paged.jax()
     shape = api.decode_shape(q, k_cache, tables)
-    config = dataclasses.replace(configs.lookup_mosaic(shape, "NVIDIA H200", 132),
-                                 queries_in_n=queries_in_n)
+    picked = configs.lookup_mosaic(shape, "NVIDIA H200", 132)
+    config = dataclasses.replace(picked, queries_in_n=queries_in_n,
+                                 fp8_k_in_registers=picked.fp8_k_in_registers and queries_in_n)
     out, lse = pp.decode(*paged.jax(), impl="mosaic", config=config, return_lse=True, **scales)
     ref, ref_lse = pp.decode(*paged.jax(), impl="xla", return_lse=True, **scales)
     out = to_numpy(out).astype(np.float32)
