@@ -560,14 +560,14 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
     if alibi_slopes is not None:
         alibi = jnp.pad(alibi_slopes.astype(jnp.float32).reshape(kvh, group),
                         ((0, 0), (0, rows - group)))
+    # Interpret mode takes wgmma operands from shared memory only: the same numbers through the
+    # converted tile in shared memory there.
+    k_in_registers = config.fp8_k_in_registers and compute_dtype != k_cache.dtype and not interpret
     body = functools.partial(
         _paged_decode_kernel, plgpu=plgpu, scale=scale, group=group,
         block_k=config.block_k, num_splits=splits, num_stages=config.num_stages,
         num_consumers=config.num_consumers, queries_in_n=config.queries_in_n,
-        # Interpret mode takes wgmma operands from shared memory only: the same numbers through
-        # the converted tile in shared memory there.
-        fp8_k_in_registers=(config.fp8_k_in_registers and compute_dtype != k_cache.dtype
-                            and not interpret),
+        fp8_k_in_registers=k_in_registers,
         soft_cap=logits_soft_cap, window=sliding_window,
         compute_dtype=compute_dtype, producer_only=producer_only)
     optional = {"alibi": alibi, "scores": score_multipliers}  # inputs only some calls have
@@ -586,7 +586,7 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
     name = (f"{KERNEL_NAME}_bk{config.block_k}_s{splits}_st{config.num_stages}"
             f"_c{config.num_consumers}_g{group}_d{head_dim}_bs{k_cache.shape[1]}"
             + ("_qn" if config.queries_in_n else "")
-            + ("_kreg" if config.fp8_k_in_registers and k_cache.dtype == FP8 else "")
+            + ("_kreg" if k_in_registers else "")
             + ("_producer_only" if producer_only else ""))
     o, m, l = plgpu.kernel(
         kernel_body,
