@@ -22,7 +22,7 @@ import sys
 import jax
 
 import pallas_paged as pp
-from benchmarks import bench_ragged
+from benchmarks import bench_mosaic, bench_ragged
 from benchmarks.bench import parse_decode_config
 from benchmarks.shapes import make_decode_inputs, shape_by_name
 from pallas_paged.decode_attention.api import picked_config
@@ -30,8 +30,8 @@ from pallas_paged.decode_attention.api import picked_config
 
 def decode_call(name: str, impl: str, fields: dict | None = None):
     """``(description, jitted fn, args)`` of one decode call on shape ``name``'s inputs; with
-    ``fields`` (`benchmarks.bench.parse_decode_config`'s), the config ``decode`` picks with
-    those fields replaced."""
+    ``fields`` (`benchmarks.bench.parse_decode_config`'s, or `benchmarks.bench_mosaic.parse_config`'s
+    for ``impl="mosaic"``), the config ``decode`` picks with those fields replaced."""
     shape = shape_by_name(name)
     inputs = make_decode_inputs(shape, seed=0)
     scales = {} if inputs.k_scale is None else dict(k_scale=inputs.k_scale,
@@ -39,7 +39,8 @@ def decode_call(name: str, impl: str, fields: dict | None = None):
     config = None
     if fields:
         config = dataclasses.replace(
-            picked_config(inputs.q[0], inputs.k_cache, inputs.block_tables[0]), **fields)
+            picked_config(inputs.q[0], inputs.k_cache, inputs.block_tables[0], impl=impl),
+            **fields)
     # the caches are arguments: closed over, they would be captured as constants of the program
     fn = jax.jit(lambda q, k, v, t, n: pp.decode(q, k, v, t, n, impl=impl, config=config,
                                                  **scales))
@@ -65,15 +66,21 @@ def main(argv=None) -> int:
                         " benchmarks.bench_ragged.SHAPES")
     parser.add_argument("--impl", default="pallas")
     parser.add_argument("--calls", type=int, default=3)
-    parser.add_argument("--config", type=parse_decode_config, default=None,
-                        help="decode shapes: bk64/pr1 (any subset) over the config decode picks")
+    parser.add_argument("--config", default=None,
+                        help="decode shapes: bk64/pr1 (any subset; with --impl mosaic, e.g."
+                        " st3/vp1) over the config decode picks")
     args = parser.parse_args(argv)
     if args.shape in RAGGED_SHAPES:
         if args.config:
             parser.error("--config applies to decode shapes")
         describe, fn, call_args = ragged_call(args.shape, args.impl)
     else:
-        describe, fn, call_args = decode_call(args.shape, args.impl, args.config)
+        parse = bench_mosaic.parse_config if args.impl == "mosaic" else parse_decode_config
+        try:
+            fields = parse(args.config) if args.config else None
+        except ValueError as e:
+            parser.error(f"--config: {e}")
+        describe, fn, call_args = decode_call(args.shape, args.impl, fields)
     print(f"{args.shape}: {describe}, impl={args.impl}")
     text = fn.lower(*call_args).as_text()
     print(text.count("pallas_paged"), "mention(s) of pallas_paged kernels in the program")

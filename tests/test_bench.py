@@ -1027,3 +1027,44 @@ def test_bench_mosaic_times_rotated_copies_in_straight_line_calls():
     assert row["correct"], row
     assert row["mode"] == "loop" and row["reps_per_call"] == 4
     assert row["us"] > 0 and row["of_copy"] > 0
+
+
+@pytest.mark.skipif(mosaic_gpu.jax_version() < mosaic_gpu.MIN_JAX,
+                    reason="plgpu.kernel needs jax >= 0.11.2")
+def test_mosaic_stream_counts_every_tile_of_both_layouts(capsys, monkeypatch):
+    """`benchmarks.mosaic_stream` streams decode's pages one TMA copy per (page, kv head) and one
+    per page: each consumer's count of the tiles it waited for must equal the tiles its split
+    walks (`expected_tiles`, checked here against a direct count), else the row is WRONG and the
+    run exits 1."""
+    from benchmarks import mosaic_stream
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("compiled, the rows are timings")
+    lens, block_size = np.array([0, 1, 16, 17, 100]), 16
+    for variant in (mosaic_stream.Stream("head", 2, 3, 32), mosaic_stream.Stream("page", 2, 2)):
+        block_k = variant.tile_tokens if variant.layout == "head" else block_size
+        got = mosaic_stream.expected_tiles(lens, variant, block_size, heads=2)
+        for b, n in enumerate(lens):
+            tiles = list(range(-(-n // block_k)))
+            share = -(-len(tiles) // variant.splits)
+            for split in range(variant.splits):
+                assert (got[b, :, split] == len(tiles[split * share:(split + 1) * share])).all()
+    assert mosaic_stream.main(["--smoke"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [row.split()[1] for row in rows] == ["head", "page", "page"]
+    assert all("of copy" in row for row in rows)
+    real = mosaic_stream.expected_tiles
+    monkeypatch.setattr(mosaic_stream, "expected_tiles", lambda *a, **k: real(*a, **k) + 1)
+    assert mosaic_stream.main(["--smoke"]) == 1
+    assert "WRONG tile counts" in capsys.readouterr().out
+
+
+def test_profile_kernel_reads_mosaic_config_labels():
+    """``profile_kernel --impl mosaic --config st3/vp1`` takes `bench_mosaic`'s labels (the
+    Triton kernel's parts are not `MosaicDecodeConfig` fields): a wrong part is a usage error."""
+    from benchmarks import profile_kernel
+
+    for argv in (["--impl", "mosaic", "--config", "pr1"], ["--config", "vp1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            profile_kernel.main(["--shape", "small_b2_ctx64", *argv])
+        assert exit_info.value.code == 2

@@ -429,9 +429,11 @@ def test_heuristic_config_fits_and_splits_small_batches():
     (128, 1024, "bfloat16", MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=3,
                                                queries_in_n=True)),
     (8, 16384, "float8_e4m3fn", MosaicDecodeConfig(block_k=64, num_splits=4, num_stages=2,
-                                                   queries_in_n=True, fp8_k_in_registers=True)),
+                                                   queries_in_n=True, fp8_k_in_registers=True,
+                                                   fp8_v_in_producer=True)),
     (32, 4096, "float8_e4m3fn", MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=2,
-                                                   queries_in_n=True, fp8_k_in_registers=True)),
+                                                   queries_in_n=True, fp8_k_in_registers=True,
+                                                   fp8_v_in_producer=True)),
 ])
 def test_heuristic_config_at_the_measured_shapes(batch, context, dtype, expected):
     """The configs measured fastest on the H200 (docs/BENCHMARKS.md): the queries in N with one
@@ -618,6 +620,15 @@ LOWERINGS = {
         dtype=jnp.float16, cache_dtype=jnp.float8_e4m3fn, scales=True, head_dim=64,
         config=MosaicDecodeConfig(block_k=128, num_stages=2, queries_in_n=True,
                                   fp8_k_in_registers=True)),
+    # fp8 V tiles converted by the producer warpgroup (and K in registers)
+    "fp8_v_in_producer_k_in_registers_every_option": dict(
+        cache_dtype=jnp.float8_e4m3fn, scales=True, options=True,
+        config=dataclasses.replace(QN_FOUR_STAGES, fp8_k_in_registers=True,
+                                   fp8_v_in_producer=True)),
+    "queries_in_m_fp8_v_in_producer_two_consumers": dict(
+        dtype=jnp.float16, cache_dtype=jnp.float8_e4m3fn, scales=True,
+        config=MosaicDecodeConfig(block_k=64, num_stages=2, num_consumers=2,
+                                  fp8_v_in_producer=True)),
     # the group in the wgmmas' M (padded to 64 rows), two consumers
     "queries_in_m_fp8_two_consumers_every_option": dict(
         dtype=jnp.float16, cache_dtype=jnp.float8_e4m3fn, scales=True, options=True,
@@ -652,6 +663,7 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
     ran = config or api.picked_config(args[0], args[1], args[3], impl="mosaic")
     assert ("_qn" in text) == ran.queries_in_n
     assert ("_kreg" in text) == (ran.fp8_k_in_registers and args[1].dtype == jnp.float8_e4m3fn)
+    assert ("_vprod" in text) == (ran.fp8_v_in_producer and args[1].dtype == jnp.float8_e4m3fn)
 
 
 # --- the compiled kernel on a GPU ------------------------------------------------------------------
@@ -701,11 +713,17 @@ def test_compiled_kernel_at_realistic_shapes(rng, batch, context, dtype, queries
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("block_k,num_stages", [(64, 4), (128, 2)])
-def test_compiled_fp8_k_in_registers_matches_the_shared_memory_path(rng, q_dtype, block_k,
-                                                                    num_stages):
-    """The fp8 K tile converted in registers as the wgmma's A operand gives the shared-memory
-    path's outputs bit for bit (the same exact conversion, the same products), with every option,
-    splits and NaN in the unused slots."""
+@pytest.mark.parametrize("conversion", [dict(fp8_k_in_registers=True),
+                                        dict(fp8_v_in_producer=True),
+                                        dict(fp8_k_in_registers=True, fp8_v_in_producer=True)],
+                         ids=lambda d: "+".join(d))
+def test_compiled_fp8_conversions_match_the_consumer_shared_memory_path(rng, q_dtype, block_k,
+                                                                       num_stages, conversion):
+    """The fp8 K tile converted in registers as the wgmma's A operand, and the V tile converted
+    by the producer warpgroup, give the outputs of the consumer converting both through shared
+    memory bit for bit (the same exact conversion, the same products), with every option, splits
+    and NaN in the unused slots; the lse within 1e-6 (fp32: the two programs may contract the
+    running sum's multiply-add differently, seen as one ulp with fp16 queries on the H200)."""
     paged = make_paged(rng, lens=[5000, 1700, 0, 333], num_heads=32, num_kv_heads=8,
                        head_dim=128, block_size=16, dtype="float8_e4m3fn", q_dtype=q_dtype,
                        fill=np.nan)
@@ -715,14 +733,14 @@ def test_compiled_fp8_k_in_registers_matches_the_shared_memory_path(rng, q_dtype
     config = MosaicDecodeConfig(block_k=block_k, num_splits=4, num_stages=num_stages,
                                 queries_in_n=True)
     outs = [pp.decode(*paged.jax(), impl="mosaic", return_lse=True, k_scale=0.5, v_scale=0.25,
-                      config=dataclasses.replace(config, fp8_k_in_registers=registers),
-                      **jax_options) for registers in (False, True)]
+                      config=dataclasses.replace(config, **fields), **jax_options)
+            for fields in ({}, conversion)]
     ref = pp.decode(*paged.jax(), impl="xla", k_scale=0.5, v_scale=0.25, **jax_options)
-    (smem_out, smem_lse), (reg_out, reg_lse) = outs
-    np.testing.assert_array_equal(to_numpy(reg_out).astype(np.float32),
+    (smem_out, smem_lse), (out, lse) = outs
+    np.testing.assert_array_equal(to_numpy(out).astype(np.float32),
                                   to_numpy(smem_out).astype(np.float32))
-    np.testing.assert_array_equal(to_numpy(reg_lse), to_numpy(smem_lse))
-    np.testing.assert_allclose(to_numpy(reg_out).astype(np.float32),
+    np.testing.assert_allclose(to_numpy(lse), to_numpy(smem_lse), rtol=1e-6, atol=0)
+    np.testing.assert_allclose(to_numpy(out).astype(np.float32),
                                to_numpy(ref).astype(np.float32), atol=2e-2, rtol=0)
 
 
@@ -758,7 +776,10 @@ def test_bench_mosaic_config_labels():
     assert bench.config_label(registers) == "bk128/s4/st2/c1/qn1/kr1"
     parsed = bench_mosaic.parse_config(bench.config_label(registers))
     assert MosaicDecodeConfig(**parsed) == registers
-    for bad in ("bk64/s1/x2", "bk64/s", "c2/c1", "", "qn2", "kr2"):
+    producer = dataclasses.replace(registers, fp8_v_in_producer=True)
+    assert bench.config_label(producer) == "bk128/s4/st2/c1/qn1/kr1/vp1"
+    assert MosaicDecodeConfig(**bench_mosaic.parse_config(bench.config_label(producer))) == producer
+    for bad in ("bk64/s1/x2", "bk64/s", "c2/c1", "", "qn2", "kr2", "vp2"):
         with pytest.raises(ValueError):
             bench_mosaic.parse_config(bad)
 

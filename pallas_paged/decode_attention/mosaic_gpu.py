@@ -11,7 +11,10 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
    tile, one slice of one page.
    - The producer warpgroup copies the queries, then walks the split's tiles, reads each tile's
      table entries, waits until its stage of the ring of ``num_stages`` shared-memory stages is
-     free, and issues the TMA copies of K and V, which complete the stage's mbarriers.
+     free, and issues the TMA copies of K and V, which complete the stage's mbarriers. With
+     ``MosaicDecodeConfig.fp8_v_in_producer`` (fp8 caches) it also converts each V tile to
+     fp16 into a ring of two converted tiles for the consumer (which then frees its stage once
+     it has read K), so the conversion runs beside the consumer's math instead of in it.
    - A consumer warpgroup computes the ``group`` query heads of the kv head together, as the
      rows of the wgmma (padded to its minimum M of 64 with zero queries: decode is bound by reading
      the cache, not by the tensor cores): ``S = Q K^T`` and ``P V`` on the tensor cores with fp32
@@ -22,6 +25,9 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
      Consumer ``c``
      of ``C`` takes the split's tiles ``c, c + C, ...``, which live in the ring's stages ``c, c +
      C, ...`` (``num_stages`` is a multiple of ``C``), so each stage's barriers have one waiter.
+   Only a split's first tile (before a window) and its last (past the sequence's end) can hold
+   positions outside ``[first, n)``: each warpgroup walks its tiles in three loops, the masked
+   tile body for those two and an unmasked one (no selects, no branch) for the rest.
    Each consumer writes its unnormalized ``(o, m, l)`` as one of the ``num_splits * C`` partial
    results; `_merge_splits` (shared with the Triton kernel) combines them, adds the sink and
    normalizes.
@@ -79,6 +85,9 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 KERNEL_NAME = "pallas_paged_decode_mosaic"
 PRODUCER = 0  # the producer warpgroup; consumers are warpgroups 1 .. num_consumers
+# With MosaicDecodeConfig.fp8_v_in_producer: the ring of converted fp16 V tiles the producer
+# fills and the consumer reads (two: one converted while the other is read).
+V_CONVERTED_STAGES = 2
 # Registers per thread with two consumers (three warpgroups share 64K): the producer gives its
 # share to the consumers, whose accumulators and scores live in registers.
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 40, 232
@@ -110,11 +119,14 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
     total = rows * head_dim * compute                        # q
     total += 2 * config.num_stages * tile * cache            # the K and V ring
     if jnp.dtype(cache_dtype) != jnp.dtype(compute_dtype):   # converted V (and K) tiles
-        total += consumers * (1 if config.fp8_k_in_registers else 2) * tile * compute
+        v_tiles = V_CONVERTED_STAGES if config.fp8_v_in_producer else consumers
+        k_tiles = 0 if config.fp8_k_in_registers else consumers
+        total += (v_tiles + k_tiles) * tile * compute
     total += consumers * rows * config.block_k * compute     # P
     total += consumers * rows * (head_dim + 2) * 4           # o, m, l
     total += rows * 4 * alibi                                # the slopes
     total += 8 * (1 + 3 * config.num_stages)                 # barriers
+    total += 8 * 2 * V_CONVERTED_STAGES * config.fp8_v_in_producer
     return total + MOSAIC_OWN_SMEM_BYTES
 
 
@@ -232,6 +244,7 @@ def _paged_decode_kernel(
     num_consumers: int,
     queries_in_n: bool,
     fp8_k_in_registers: bool,
+    fp8_v_in_producer: bool,
     soft_cap: float | None,
     window: int | None,
     compute_dtype,
@@ -256,19 +269,50 @@ def _paged_decode_kernel(
     score_shape = (block_k, q_rows) if queries_in_n else (q_rows, block_k)
     acc_shape = (head_dim, q_rows) if queries_in_n else (q_rows, head_dim)  # O^T or O
 
+    def masked_steps(first_owner, last_owner, count):
+        """``(lo, hi)``: of the ``count`` tiles a warpgroup walks (its steps ``0 .. count - 1``),
+        those before ``lo`` and from ``hi`` on hold positions outside ``[first, n)`` and take
+        the masked tile body; ``[lo, hi)`` are whole tiles of the sequence, which need no mask.
+        Only the split's first tile (before the window) and its last one (past the end of the
+        sequence) can be partial; ``first_owner`` / ``last_owner`` say whether this warpgroup
+        walks them (as its first and its last step). Three loops over these ranges instead of a
+        mask on every tile: the whole tiles carry no selects and no branch."""
+        some = count > 0
+        lo = (some & first_owner & (tile_lo * block_k < first)).astype(jnp.int32)
+        hi = count - (some & last_owner & (tile_hi * block_k > n)).astype(jnp.int32)
+        return lo, jnp.maximum(hi, lo)
+
+    def walk(count, step_body, carry, first_owner=True, last_owner=True):
+        """``step_body(i, carry, masked)`` for ``i`` in ``[0, count)``, masked on the partial
+        tiles (`masked_steps`)."""
+        lo, hi = masked_steps(first_owner, last_owner, count)
+        carry = jax.lax.fori_loop(0, lo, functools.partial(step_body, masked=True), carry)
+        carry = jax.lax.fori_loop(lo, hi, functools.partial(step_body, masked=False), carry)
+        return jax.lax.fori_loop(hi, count, functools.partial(step_body, masked=True), carry)
+
+    def valid_rows(tile, shape):
+        """bool[shape]: whether each row of a ``[block_k, ...]`` tile is a position in
+        ``[first, n)``."""
+        row = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+        return (row >= first) & (row < n)
+
     def per_query(vector, shape):
         """f32[q_rows] broadcast along the other axis of ``shape``."""
         return jax.lax.broadcast_in_dim(vector, shape, [query_axis])
 
     def body(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem, ml_smem,
-             q_bar, k_bars, v_bars, free_bars):
+             q_bar, k_bars, v_bars, free_bars, vconv_bars, vfree_bars):
         # q_smem [R, D] (R = q_rows); k_smem, v_smem [stages, block_k, D] in the cache dtype; per
         # consumer (leading axis C): kc_smem, vc_smem [C, block_k, D] in compute_dtype (fp8
-        # caches only, else None; kc_smem None with fp8_k_in_registers too), p_smem [C, R,
-        # block_k] in compute_dtype, o_smem f32[C, R, D]
+        # caches only, else None; kc_smem None with fp8_k_in_registers too; vc_smem the
+        # producer's ring [V_CONVERTED_STAGES, block_k, D] with fp8_v_in_producer), p_smem [C,
+        # R, block_k] in compute_dtype, o_smem f32[C, R, D]
         # (queries_in_n: [C, D, R], O^T), ml_smem f32[C, 2, R]; alibi_smem f32[R] or None.
         # Barriers: q_bar (queries and slopes); k_bars[stages], v_bars[stages] (TMA done);
-        # free_bars[stages] (a consumer is done with a stage).
+        # free_bars[stages] (a stage is done with: its consumer, and with fp8_v_in_producer the
+        # producer too); with fp8_v_in_producer, vconv_bars[V_CONVERTED_STAGES] (a converted V
+        # tile is ready) and vfree_bars[V_CONVERTED_STAGES] (the consumer is done with it), else
+        # None.
         copies = _copies_per_tile(block_size, block_k)
 
         def block_ids(tile):
@@ -297,6 +341,51 @@ def _paged_decode_kernel(
                 plgpu.copy_gmem_to_smem(v_ref.at[blocks[0], rows, h], v_smem.at[slot],
                                         v_bars.at[slot])
 
+        def produce_converting_v(vc_ring):
+            """The producer with ``fp8_v_in_producer``: fills the ring, then per tile converts
+            its V stage into the ``vc_ring`` slot the consumer reads (a ring of
+            `V_CONVERTED_STAGES`), and refills the stage once the consumer has its K too."""
+            for j in range(num_stages):  # the first tiles: every stage of the ring
+
+                @pl.when(j < num_tiles)
+                def _fill():
+                    issue(tile_lo + j, j, block_ids(tile_lo + j))
+
+            def produce(step, carry, masked):
+                slot = jax.lax.rem(step, num_stages)
+                vslot = jax.lax.rem(step, V_CONVERTED_STAGES)
+                refill = step + num_stages < num_tiles
+                # The refill's table entries, loaded first: their latency hides behind the
+                # conversion (past the range the page index is clamped: an entry of this
+                # sequence, unused).
+                blocks = block_ids(tile_lo + step + num_stages)
+                plgpu.barrier_wait(v_bars.at[slot])
+
+                @pl.when(step >= V_CONVERTED_STAGES)
+                def _wait_converted_free():
+                    plgpu.barrier_wait(vfree_bars.at[vslot])
+
+                store_v(slot, vc_ring.at[vslot], tile_lo + step, masked)
+                plgpu.barrier_arrive(vconv_bars.at[vslot])
+
+                @pl.when(refill)
+                def _refill():
+                    plgpu.barrier_arrive(free_bars.at[slot])  # the producer is done with V
+                    plgpu.barrier_wait(free_bars.at[slot])    # and the consumer with K
+                    issue(tile_lo + step + num_stages, slot, blocks)
+                return carry
+
+            walk(num_tiles, produce, 0)
+
+        def store_v(slot, vc_ref, tile, masked):
+            """The fp8 V tile of stage ``slot``, converted into ``vc_ref`` (``masked``: rows
+            outside ``[first, n)`` zeroed), ready for the wgmma."""
+            v = _from_fp8(v_smem[slot], compute_dtype)
+            if masked:
+                v = jnp.where(valid_rows(tile, v.shape), v, jnp.zeros_like(v))
+            vc_ref[...] = v
+            plgpu.commit_smem()
+
         wg = jax.lax.axis_index("wg")
 
         @pl.when(wg == PRODUCER)
@@ -306,6 +395,10 @@ def _paged_decode_kernel(
             plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
             if alibi_smem is not None:
                 plgpu.copy_gmem_to_smem(alibi_ref.at[h], alibi_smem, q_bar)
+
+            if fp8_v_in_producer:
+                produce_converting_v(vc_smem)
+                return
 
             # Walks the tiles at most `num_stages` ahead of the consumer. A tile's table entries
             # are loaded before waiting for its stage to be free, so their latency hides behind
@@ -328,31 +421,34 @@ def _paged_decode_kernel(
             c = wg - 1
             consume(c, q_smem, k_smem, v_smem,
                     None if kc_smem is None else kc_smem.at[c],
-                    None if vc_smem is None else vc_smem.at[c], p_smem.at[c], alibi_smem,
-                    o_smem.at[c], ml_smem.at[c], q_bar, k_bars, v_bars, free_bars)
+                    vc_smem if fp8_v_in_producer or vc_smem is None else vc_smem.at[c],
+                    p_smem.at[c], alibi_smem, o_smem.at[c], ml_smem.at[c], q_bar, k_bars,
+                    v_bars, free_bars, vconv_bars, vfree_bars, store_v)
 
     def consume(c, q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem, ml_smem,
-                q_bar, k_bars, v_bars, free_bars):
+                q_bar, k_bars, v_bars, free_bars, vconv_bars, vfree_bars, store_v):
         """Consumer ``c``: the online softmax over its tiles (``c, c + C, ...`` of the split),
-        then its partial results. The per-consumer refs come without their leading axis."""
+        then its partial results. The per-consumer refs come without their leading axis
+        (``vc_smem``: the producer's whole ring with ``fp8_v_in_producer``)."""
         plgpu.barrier_wait(q_bar)
         if producer_only:
-            consume_nothing(c, k_bars, v_bars, free_bars)
+            consume_nothing(c, k_bars, v_bars, free_bars, vconv_bars, vfree_bars)
             return
         if alibi_smem is not None:
             # f32[q_rows], one slope per query (the layout of the scores' token reductions).
             slopes = plgpu.load(alibi_smem, layout=plgpu.Layout.WGMMA.reduce(token_axis))
         score_scale = scale if scores_ref is None else scores_ref[b, h]
 
-        def tile_body(i, carry):
-            # f32[q_rows, D] (queries_in_n: [D, q_rows]), f32[q_rows], f32[q_rows]
+        def tile_body(i, carry, masked):
+            # f32[q_rows, D] (queries_in_n: [D, q_rows]), f32[q_rows], f32[q_rows]; ``masked``
+            # (static): the tile holds positions outside [first, n) (`masked_steps`)
             acc, m_prev, l_prev = carry
             step = c + i * num_consumers  # the split's tile counted from tile_lo
             tile = tile_lo + step
             slot = jax.lax.rem(step, num_stages)
-            pos = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, score_shape, token_axis)
-            valid = (pos >= first) & (pos < n)
-            partial = (tile * block_k < first) | ((tile + 1) * block_k > n)
+            if masked or alibi_smem is not None:  # the scores' positions
+                pos = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, score_shape,
+                                                                token_axis)
 
             plgpu.barrier_wait(k_bars.at[slot])
             if fp8_k_in_registers:
@@ -375,32 +471,39 @@ def _paged_decode_kernel(
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC(score_shape, jnp.float32))  # f32[score_shape]
+            if fp8_v_in_producer:
+                # K is all this consumer reads of the stage (V comes converted): free its part of
+                # the stage now, so the producer refills it while the softmax runs.
+                @pl.when(step + num_stages < num_tiles)
+                def _free_k():
+                    plgpu.barrier_arrive(free_bars.at[slot])
             s = s * score_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             if alibi_smem is not None:
                 rel = (pos - (n - 1)).astype(jnp.float32)
                 s = s + per_query(slopes, s.shape) * rel
-            s = jnp.where(valid, s, -jnp.inf)
+            if masked:
+                s = jnp.where((pos >= first) & (pos < n), s, -jnp.inf)
             m_next = jnp.maximum(m_prev, s.max(axis=token_axis))
             m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
             alpha = jnp.exp(m_prev - m_safe)  # f32[q_rows]
             p = jnp.exp(s - per_query(m_safe, s.shape))  # 0 where masked
             l_next = l_prev * alpha + p.sum(axis=token_axis)
 
-            plgpu.barrier_wait(v_bars.at[slot])
-            row = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
-            row_ok = (row >= first) & (row < n)
-            if convert:
-                v = _from_fp8(v_smem[slot], compute_dtype)
-                vc_smem[...] = jnp.where(row_ok, v, jnp.zeros_like(v))
-                plgpu.commit_smem()
+            if fp8_v_in_producer:  # converted (and masked) by the producer
+                vslot = jax.lax.rem(step, V_CONVERTED_STAGES)
+                plgpu.barrier_wait(vconv_bars.at[vslot])
+                v_tile = vc_smem.at[vslot]
+            elif convert:
+                plgpu.barrier_wait(v_bars.at[slot])
+                store_v(slot, vc_smem, tile, masked)
                 v_tile = vc_smem
             else:
-                @pl.when(partial)
-                def _zero_invalid_rows():
+                plgpu.barrier_wait(v_bars.at[slot])
+                if masked:  # the rows outside [first, n) zeroed in place
                     v = v_smem[slot]
-                    v_smem[slot] = jnp.where(row_ok, v, jnp.zeros_like(v))
+                    v_smem[slot] = jnp.where(valid_rows(tile, v.shape), v, jnp.zeros_like(v))
                     plgpu.commit_smem()
                 v_tile = v_smem.at[slot]
 
@@ -422,11 +525,17 @@ def _paged_decode_kernel(
             # A fresh accumulator per tile (its own scope: interpret mode cannot mix ACC with
             # other memory spaces, nor seed it from registers), added to the rescaled sum.
             pv_tile = pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
-            # Both wgmmas have read the stage: free it, when the producer will refill it (every
-            # arrival is waited for, so no barrier phase is left unobserved).
-            @pl.when(step + num_stages < num_tiles)
-            def _free():
-                plgpu.barrier_arrive(free_bars.at[slot])
+            # Both wgmmas have read the stage (or its converted V): free it, when the producer
+            # will refill it (every arrival is waited for, so no barrier phase is left
+            # unobserved).
+            if fp8_v_in_producer:
+                @pl.when(step + V_CONVERTED_STAGES < num_tiles)
+                def _free_converted():
+                    plgpu.barrier_arrive(vfree_bars.at[vslot])
+            else:
+                @pl.when(step + num_stages < num_tiles)
+                def _free():
+                    plgpu.barrier_arrive(free_bars.at[slot])
 
             acc = acc * per_query(alpha, acc.shape) + pv_tile
             return acc, m_next, l_next
@@ -435,12 +544,16 @@ def _paged_decode_kernel(
                  jnp.full((q_rows,), -jnp.inf, jnp.float32),
                  jnp.zeros((q_rows,), jnp.float32))
         my_tiles = (num_tiles - c + num_consumers - 1) // num_consumers  # >= 0
-        acc, m, l = jax.lax.fori_loop(0, my_tiles, tile_body, carry)
+        # the split's first tile is this consumer's first step, its last one its last step
+        acc, m, l = walk(my_tiles, tile_body, carry, first_owner=c == 0,
+                         last_owner=c == jax.lax.rem(jnp.maximum(num_tiles - 1, 0),
+                                                     num_consumers))
         write_partials(c, acc, m, l, o_smem, ml_smem)
 
-    def consume_nothing(c, k_bars, v_bars, free_bars):
-        """The timing probe's consumer ``c``: waits for each of its tiles and frees its stage at
-        once (no math, and no partial result written: the probe's output is not attention)."""
+    def consume_nothing(c, k_bars, v_bars, free_bars, vconv_bars, vfree_bars):
+        """The timing probe's consumer ``c``: waits for each of its tiles (with
+        ``fp8_v_in_producer``, for K and the converted V) and frees them at once (no math, and
+        no partial result written: the probe's output is not attention)."""
         my_tiles = (num_tiles - c + num_consumers - 1) // num_consumers
 
         @pl.loop(0, my_tiles)
@@ -448,7 +561,15 @@ def _paged_decode_kernel(
             step = c + i * num_consumers
             slot = jax.lax.rem(step, num_stages)
             plgpu.barrier_wait(k_bars.at[slot])
-            plgpu.barrier_wait(v_bars.at[slot])
+            if fp8_v_in_producer:
+                vslot = jax.lax.rem(step, V_CONVERTED_STAGES)
+                plgpu.barrier_wait(vconv_bars.at[vslot])
+
+                @pl.when(step + V_CONVERTED_STAGES < num_tiles)
+                def _free_converted():
+                    plgpu.barrier_arrive(vfree_bars.at[vslot])
+            else:
+                plgpu.barrier_wait(v_bars.at[slot])
 
             @pl.when(step + num_stages < num_tiles)
             def _free():
@@ -470,13 +591,7 @@ def _paged_decode_kernel(
         plgpu.wait_smem_to_gmem(0)
 
     def smem(shape, dtype, *, mma_operand):
-        if not mma_operand:
-            return plgpu.SMEM(shape, dtype)
-        itemsize = jnp.dtype(dtype).itemsize
-        row_bytes = shape[-1] * itemsize  # 32, 64 or >= 128 bytes: the widest swizzle that fits
-        swizzle = 128 if row_bytes % 128 == 0 else 64 if row_bytes % 64 == 0 else 32
-        return plgpu.SMEM(shape, dtype, transforms=(
-            plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
+        return mma_smem(plgpu, shape, dtype) if mma_operand else plgpu.SMEM(shape, dtype)
 
     cache_dtype = k_ref.dtype
     consumers = num_consumers
@@ -486,7 +601,8 @@ def _paged_decode_kernel(
         smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
         (smem((consumers, block_k, head_dim), compute_dtype, mma_operand=True)
          if convert and not fp8_k_in_registers else None),
-        smem((consumers, block_k, head_dim), compute_dtype, mma_operand=True) if convert else None,
+        (smem((V_CONVERTED_STAGES if fp8_v_in_producer else consumers, block_k, head_dim),
+              compute_dtype, mma_operand=True) if convert else None),
         smem((consumers, q_rows, block_k), compute_dtype, mma_operand=True),
         smem((q_rows,), jnp.float32, mma_operand=False) if alibi_ref is not None else None,
         smem((consumers,) + acc_shape, jnp.float32, mma_operand=False),
@@ -494,9 +610,22 @@ def _paged_decode_kernel(
         plgpu.Barrier(num_arrivals=1 if alibi_ref is None else 2),  # q (and the slopes)
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
-        plgpu.Barrier(num_barriers=num_stages),
+        # a stage's consumer, and with fp8_v_in_producer the producer too, are done with it
+        plgpu.Barrier(num_arrivals=1 + fp8_v_in_producer, num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=V_CONVERTED_STAGES) if fp8_v_in_producer else None,
+        plgpu.Barrier(num_barriers=V_CONVERTED_STAGES) if fp8_v_in_producer else None,
     )
     pl.run_scoped(body, *scratch, collective_axes="wg")
+
+
+def mma_smem(plgpu, shape, dtype):
+    """Shared memory for a wgmma operand (or a TMA destination read as one): 8-row tiles of
+    the widest swizzle the rows allow (32, 64 or 128 bytes)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    row_bytes = shape[-1] * itemsize
+    swizzle = 128 if row_bytes % 128 == 0 else 64 if row_bytes % 64 == 0 else 32
+    return plgpu.SMEM(shape, dtype, transforms=(
+        plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
 
 
 def _from_fp8(x, dtype):
@@ -516,8 +645,9 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
 
     Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float).
     ``producer_only=True`` is a timing probe for `benchmarks.bench_mosaic`, not attention: the
-    producer streams every tile as usual, the consumers only wait for each tile and free its
-    stage and write nothing, so the output is meaningless.
+    producer streams every tile as usual (converting V with ``fp8_v_in_producer``), the
+    consumers only wait for each tile and free it and write nothing, so the output is
+    meaningless.
 
     Returns:
       ``(out [batch, num_heads, head_dim] in q.dtype, lse f32[batch, num_heads])``. ``k_scale`` /
@@ -568,6 +698,7 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
         block_k=config.block_k, num_splits=splits, num_stages=config.num_stages,
         num_consumers=config.num_consumers, queries_in_n=config.queries_in_n,
         fp8_k_in_registers=k_in_registers,
+        fp8_v_in_producer=config.fp8_v_in_producer and compute_dtype != k_cache.dtype,
         soft_cap=logits_soft_cap, window=sliding_window,
         compute_dtype=compute_dtype, producer_only=producer_only)
     optional = {"alibi": alibi, "scores": score_multipliers}  # inputs only some calls have
@@ -587,6 +718,7 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
             f"_c{config.num_consumers}_g{group}_d{head_dim}_bs{k_cache.shape[1]}"
             + ("_qn" if config.queries_in_n else "")
             + ("_kreg" if k_in_registers else "")
+            + ("_vprod" if config.fp8_v_in_producer and compute_dtype != k_cache.dtype else "")
             + ("_producer_only" if producer_only else ""))
     o, m, l = plgpu.kernel(
         kernel_body,
