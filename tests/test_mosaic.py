@@ -721,9 +721,11 @@ def test_compiled_fp8_conversions_match_the_consumer_shared_memory_path(rng, q_d
                                                                        num_stages, conversion):
     """The fp8 K tile converted in registers as the wgmma's A operand, and the V tile converted
     by the producer warpgroup, give the outputs of the consumer converting both through shared
-    memory bit for bit (the same exact conversion, the same products), with every option, splits
-    and NaN in the unused slots; the lse within 1e-6 (fp32: the two programs may contract the
-    running sum's multiply-add differently, seen as one ulp with fp16 queries on the H200)."""
+    memory (the same exact conversion, the same products), with every option, splits and NaN in
+    the unused slots: within one ulp of the output dtype, and the lse within 1e-6. Two programs
+    compiled apart may round their fp32 running sums differently (on the H200, with fp16
+    queries and 128-token tiles, the producer's V conversion moved 7 of 16384 outputs by one
+    ulp, the same in every run of either program)."""
     paged = make_paged(rng, lens=[5000, 1700, 0, 333], num_heads=32, num_kv_heads=8,
                        head_dim=128, block_size=16, dtype="float8_e4m3fn", q_dtype=q_dtype,
                        fill=np.nan)
@@ -737,11 +739,13 @@ def test_compiled_fp8_conversions_match_the_consumer_shared_memory_path(rng, q_d
             for fields in ({}, conversion)]
     ref = pp.decode(*paged.jax(), impl="xla", k_scale=0.5, v_scale=0.25, **jax_options)
     (smem_out, smem_lse), (out, lse) = outs
-    np.testing.assert_array_equal(to_numpy(out).astype(np.float32),
-                                  to_numpy(smem_out).astype(np.float32))
+    out, smem_out = (to_numpy(x).astype(np.float32) for x in (out, smem_out))
+    info = jnp.finfo(q_dtype)
+    one_ulp = float(info.eps) * 2.0 ** np.floor(np.log2(np.maximum(
+        np.maximum(np.abs(out), np.abs(smem_out)), float(info.tiny))))
+    assert (np.abs(out - smem_out) <= one_ulp).all(), np.abs(out - smem_out).max()
     np.testing.assert_allclose(to_numpy(lse), to_numpy(smem_lse), rtol=1e-6, atol=0)
-    np.testing.assert_allclose(to_numpy(out).astype(np.float32),
-                               to_numpy(ref).astype(np.float32), atol=2e-2, rtol=0)
+    np.testing.assert_allclose(out, to_numpy(ref).astype(np.float32), atol=2e-2, rtol=0)
 
 
 @pytest.mark.gpu
