@@ -440,9 +440,11 @@ def _paged_decode_kernel(
         score_scale = scale if scores_ref is None else scores_ref[b, h]
 
         def tile_body(i, carry, masked):
-            # f32[q_rows, D] (queries_in_n: [D, q_rows]), f32[q_rows], f32[q_rows]; ``masked``
-            # (static): the tile holds positions outside [first, n) (`masked_steps`)
-            acc, m_prev, l_prev = carry
+            # f32[q_rows, D] (queries_in_n: [D, q_rows]), f32[q_rows], f32[score_shape] (the sum
+            # of the exponentials per score position, summed over the tokens once, after the
+            # last tile: no cross-warp reduction per tile for it); ``masked`` (static): the tile
+            # holds positions outside [first, n) (`masked_steps`)
+            acc, m_prev, l_parts = carry
             step = c + i * num_consumers  # the split's tile counted from tile_lo
             tile = tile_lo + step
             slot = jax.lax.rem(step, num_stages)
@@ -489,7 +491,7 @@ def _paged_decode_kernel(
             m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
             alpha = jnp.exp(m_prev - m_safe)  # f32[q_rows]
             p = jnp.exp(s - per_query(m_safe, s.shape))  # 0 where masked
-            l_next = l_prev * alpha + p.sum(axis=token_axis)
+            l_parts = l_parts * per_query(alpha, p.shape) + p
 
             if fp8_v_in_producer:  # converted (and masked) by the producer
                 vslot = jax.lax.rem(step, V_CONVERTED_STAGES)
@@ -538,17 +540,17 @@ def _paged_decode_kernel(
                     plgpu.barrier_arrive(free_bars.at[slot])
 
             acc = acc * per_query(alpha, acc.shape) + pv_tile
-            return acc, m_next, l_next
+            return acc, m_next, l_parts
 
         carry = (jnp.zeros(acc_shape, jnp.float32),
                  jnp.full((q_rows,), -jnp.inf, jnp.float32),
-                 jnp.zeros((q_rows,), jnp.float32))
+                 jnp.zeros(score_shape, jnp.float32))
         my_tiles = (num_tiles - c + num_consumers - 1) // num_consumers  # >= 0
         # the split's first tile is this consumer's first step, its last one its last step
-        acc, m, l = walk(my_tiles, tile_body, carry, first_owner=c == 0,
-                         last_owner=c == jax.lax.rem(jnp.maximum(num_tiles - 1, 0),
-                                                     num_consumers))
-        write_partials(c, acc, m, l, o_smem, ml_smem)
+        acc, m, l_parts = walk(my_tiles, tile_body, carry, first_owner=c == 0,
+                               last_owner=c == jax.lax.rem(jnp.maximum(num_tiles - 1, 0),
+                                                           num_consumers))
+        write_partials(c, acc, m, l_parts.sum(axis=token_axis), o_smem, ml_smem)
 
     def consume_nothing(c, k_bars, v_bars, free_bars, vconv_bars, vfree_bars):
         """The timing probe's consumer ``c``: waits for each of its tiles (with
