@@ -18,8 +18,10 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
    - A consumer warpgroup computes the ``group`` query heads of the kv head together, as the
      rows of the wgmma (padded to its minimum M of 64 with zero queries: decode is bound by reading
      the cache, not by the tensor cores): ``S = Q K^T`` and ``P V`` on the tensor cores with fp32
-     accumulators, the online softmax in fp32 registers; then it frees the stage. With
-     ``MosaicDecodeConfig.queries_in_n`` (the heuristic's choice) the group is the wgmmas' N
+     accumulators, the online softmax in fp32 registers (its sum of exponentials kept per score
+     position and summed over the tokens once, after the last tile: the token axis of ``S^T``
+     spans the four warps, and each reduction across them is a shared-memory round trip); then
+     it frees the stage. With ``MosaicDecodeConfig.queries_in_n`` (the heuristic's choice) the group is the wgmmas' N
      instead (padded to a multiple of 8): ``S^T = K Q^T`` and ``O^T = V^T P^T``, the softmax
      over the tokens of ``S^T``'s columns, P stored transposed, ``O^T`` written out whole.
      Consumer ``c``
