@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from benchmarks.bench import ROTATE_BYTES, Settings, loop_reps, measure, per_call, repeated, smoke_settings
+from benchmarks.bench import (ROTATE_BYTES, Settings, loop_reps, measure, per_call, repeated,
+                              smoke_settings)
 from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
 from benchmarks.timing import measure_copy_bandwidth
 from pallas_paged.decode_attention import mosaic_gpu

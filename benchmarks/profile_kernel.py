@@ -30,8 +30,9 @@ from pallas_paged.decode_attention.api import picked_config
 
 def decode_call(name: str, impl: str, fields: dict | None = None):
     """``(description, jitted fn, args)`` of one decode call on shape ``name``'s inputs; with
-    ``fields`` (`benchmarks.bench.parse_decode_config`'s, or `benchmarks.bench_mosaic.parse_config`'s
-    for ``impl="mosaic"``), the config ``decode`` picks with those fields replaced."""
+    ``fields`` (`benchmarks.bench.parse_decode_config`'s, or for ``impl="mosaic"``
+    `benchmarks.bench_mosaic.parse_config`'s), the config ``decode`` picks with those fields
+    replaced."""
     shape = shape_by_name(name)
     inputs = make_decode_inputs(shape, seed=0)
     scales = {} if inputs.k_scale is None else dict(k_scale=inputs.k_scale,

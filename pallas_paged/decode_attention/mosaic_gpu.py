@@ -21,9 +21,10 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
      accumulators, the online softmax in fp32 registers (its sum of exponentials kept per score
      position and summed over the tokens once, after the last tile: the token axis of ``S^T``
      spans the four warps, and each reduction across them is a shared-memory round trip); then
-     it frees the stage. With ``MosaicDecodeConfig.queries_in_n`` (the heuristic's choice) the group is the wgmmas' N
-     instead (padded to a multiple of 8): ``S^T = K Q^T`` and ``O^T = V^T P^T``, the softmax
-     over the tokens of ``S^T``'s columns, P stored transposed, ``O^T`` written out whole.
+     it frees the stage. With ``MosaicDecodeConfig.queries_in_n`` (the heuristic's choice) the
+     group is the wgmmas' N instead (padded to a multiple of 8): ``S^T = K Q^T`` and ``O^T =
+     V^T P^T``, the softmax over the tokens of ``S^T``'s columns, P stored transposed, ``O^T``
+     written out whole.
      Consumer ``c``
      of ``C`` takes the split's tiles ``c, c + C, ...``, which live in the ring's stages ``c, c +
      C, ...`` (``num_stages`` is a multiple of ``C``), so each stage's barriers have one waiter.
@@ -120,15 +121,17 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
     rows = query_rows(group, config)
     total = rows * head_dim * compute                        # q
     total += 2 * config.num_stages * tile * cache            # the K and V ring
-    if jnp.dtype(cache_dtype) != jnp.dtype(compute_dtype):   # converted V (and K) tiles
-        v_tiles = V_CONVERTED_STAGES if config.fp8_v_in_producer else consumers
+    convert = jnp.dtype(cache_dtype) != jnp.dtype(compute_dtype)
+    v_in_producer = convert and config.fp8_v_in_producer
+    if convert:                                              # converted V (and K) tiles
+        v_tiles = V_CONVERTED_STAGES if v_in_producer else consumers
         k_tiles = 0 if config.fp8_k_in_registers else consumers
         total += (v_tiles + k_tiles) * tile * compute
     total += consumers * rows * config.block_k * compute     # P
     total += consumers * rows * (head_dim + 2) * 4           # o, m, l
     total += rows * 4 * alibi                                # the slopes
     total += 8 * (1 + 3 * config.num_stages)                 # barriers
-    total += 8 * 2 * V_CONVERTED_STAGES * config.fp8_v_in_producer
+    total += 8 * 2 * V_CONVERTED_STAGES * v_in_producer     # the converted ring's barriers
     return total + MOSAIC_OWN_SMEM_BYTES
 
 
@@ -292,11 +295,11 @@ def _paged_decode_kernel(
         carry = jax.lax.fori_loop(lo, hi, functools.partial(step_body, masked=False), carry)
         return jax.lax.fori_loop(hi, count, functools.partial(step_body, masked=True), carry)
 
-    def valid_rows(tile, shape):
-        """bool[shape]: whether each row of a ``[block_k, ...]`` tile is a position in
-        ``[first, n)``."""
-        row = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-        return (row >= first) & (row < n)
+    def zero_invalid_rows(v, tile):
+        """``v`` (a ``[block_k, D]`` V tile of ``tile``) with the rows of positions outside
+        ``[first, n)`` zeroed: their scores are -inf, but ``0 * NaN`` would still reach P V."""
+        row = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        return jnp.where((row >= first) & (row < n), v, jnp.zeros_like(v))
 
     def per_query(vector, shape):
         """f32[q_rows] broadcast along the other axis of ``shape``."""
@@ -383,9 +386,7 @@ def _paged_decode_kernel(
             """The fp8 V tile of stage ``slot``, converted into ``vc_ref`` (``masked``: rows
             outside ``[first, n)`` zeroed), ready for the wgmma."""
             v = _from_fp8(v_smem[slot], compute_dtype)
-            if masked:
-                v = jnp.where(valid_rows(tile, v.shape), v, jnp.zeros_like(v))
-            vc_ref[...] = v
+            vc_ref[...] = zero_invalid_rows(v, tile) if masked else v
             plgpu.commit_smem()
 
         wg = jax.lax.axis_index("wg")
@@ -505,9 +506,8 @@ def _paged_decode_kernel(
                 v_tile = vc_smem
             else:
                 plgpu.barrier_wait(v_bars.at[slot])
-                if masked:  # the rows outside [first, n) zeroed in place
-                    v = v_smem[slot]
-                    v_smem[slot] = jnp.where(valid_rows(tile, v.shape), v, jnp.zeros_like(v))
+                if masked:  # in place
+                    v_smem[slot] = zero_invalid_rows(v_smem[slot], tile)
                     plgpu.commit_smem()
                 v_tile = v_smem.at[slot]
 
