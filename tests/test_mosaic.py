@@ -365,6 +365,8 @@ def test_config_type_and_fields_are_checked():
         MosaicDecodeConfig(queries_in_n=True, fp8_k_in_registers=0)
     with pytest.raises(ValueError, match=r"fp8_k_in_registers=True, queries_in_n=False.*A operand"):
         MosaicDecodeConfig(fp8_k_in_registers=True)
+    with pytest.raises(ValueError, match="fp8_v_in_producer=1 must be a bool"):
+        MosaicDecodeConfig(fp8_v_in_producer=1)
     with pytest.raises(ValueError, match="shared memory"):
         jax.eval_shape(functools.partial(
             pp.decode, impl="mosaic", interpret=True,
