@@ -1049,6 +1049,9 @@ def test_mosaic_stream_counts_every_tile_of_both_layouts(capsys, monkeypatch):
             share = -(-len(tiles) // variant.splits)
             for split in range(variant.splits):
                 assert (got[b, :, split] == len(tiles[split * share:(split + 1) * share])).all()
+    with pytest.raises(SystemExit) as exit_info:  # a usage error names the known shapes
+        mosaic_stream.main(["--shapes", "b32_ctx4096,nope"])
+    assert exit_info.value.code == 2 and "unknown ['nope']" in capsys.readouterr().err
     assert mosaic_stream.main(["--smoke"]) == 0
     rows = capsys.readouterr().out.splitlines()[1:]
     assert [row.split()[1] for row in rows] == ["head", "page", "page"]
