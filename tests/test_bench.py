@@ -995,8 +995,9 @@ def test_fp8_pairs_two_words_per_conversion_share_the_byte_permutes():
 @pytest.mark.skipif(mosaic_gpu.jax_version() < mosaic_gpu.MIN_JAX,
                     reason="plgpu.kernel needs jax >= 0.11.2")
 def test_mosaic_reduce_race_checks_every_variant(capsys):
-    """The two-consumer race's reproducer runs its four variants (one and two warpgroups,
-    reducing over axis 1 and over axis 0) and compares each with numpy; in interpret mode (as on
+    """The two-consumer race's reproducer runs its variants (one and two warpgroups reducing over
+    axis 1 and over axis 0, and two and four over axis 0 with their scratch apart) and compares
+    each with numpy; in interpret mode (as on
     a GPU where Mosaic GPU is right) every tile is exact, so it exits 0."""
     from benchmarks import mosaic_reduce_race
 
@@ -1008,10 +1009,11 @@ def test_mosaic_reduce_race_checks_every_variant(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("interpret mode")
     assert [line.split(":")[0].strip() for line in lines[1:]] == [
-        f"{w} warpgroup(s), axis {axis}" for w in (1, 2) for axis in (1, 0)]
+        f"{w} warpgroup(s), axis {axis}" + (", scratch apart" if apart else "")
+        for w, axis, apart in mosaic_reduce_race.VARIANTS]
     assert all(": 0 of" in line for line in lines[1:])
     one = mosaic_reduce_race.check(2, 0, 1, interpret=True, seed=3)
-    assert one == dict(warpgroups=2, axis=0, tiles=2, wrong_tiles=0,
+    assert one == dict(warpgroups=2, axis=0, apart=False, tiles=2, wrong_tiles=0,
                        max_rel_err=one["max_rel_err"]) and one["max_rel_err"] < 1e-6
 
 

@@ -175,6 +175,8 @@ def lookup(shape: DecodeShape, device_kind: str, sm_count: int) -> DecodeConfig:
 
 # --- the Mosaic GPU kernel (mosaic_gpu.py) ------------------------------------------------------
 
+MAX_MOSAIC_CONSUMERS = 4  # consumer warpgroups per CTA: with the producer, 640 threads
+
 @dataclasses.dataclass(frozen=True)
 class MosaicDecodeConfig:
     """Static knobs of the Mosaic GPU paged-decode kernel (hashable: a static jit argument).
@@ -186,17 +188,21 @@ class MosaicDecodeConfig:
       num_splits: KV splits per (sequence, kv head) (flash-decoding); the splits are merged after
         the kernel.
       num_stages: shared-memory stages of the TMA ring (tiles in flight + the one computed), >= 2.
-      num_consumers: consumer warpgroups per CTA, 1 or 2. With 2, consumer ``c`` takes the
-        split's tiles ``c, c + 2, ...`` (the ring's stages ``c, c + 2, ...``, so ``num_stages``
-        must be even) with its own online softmax, so two tiles' dependent chains (wgmma, softmax,
-        wgmma) run at once; each consumer's partial result is one more split for the merge.
+      num_consumers: consumer warpgroups per CTA, 1 to 4. With ``C`` of them, consumer ``c``
+        takes the split's tiles ``c, c + C, ...`` (the ring's stages ``c, c + C, ...``, so
+        ``num_stages`` must be a multiple of ``C``) with its own online softmax, so ``C`` tiles'
+        dependent chains (wgmma, softmax, wgmma) run at once; each consumer's partial result is
+        one more split for the merge. Several consumers share the CTA's registers by
+        ``setmaxnreg`` (one CTA per multiprocessor).
       queries_in_n: the group's query heads in the wgmmas' N dimension, ``S^T = K Q^T`` and
         ``O^T = V^T P^T`` (N: the group padded to a multiple of 8; M: the tile's tokens, then the
         head dimension), instead of their M (the group padded to wgmma's minimum of 64 rows).
         For a group of 4 the softmax then works on 8 columns per token instead of 64 rows, the
         accumulator is 8 columns instead of 64 rows, and P is 8 rows instead of 64 in shared
-        memory. One consumer warpgroup only (with two, the compiled kernel's results raced).
-        On the H200: bf16 B=32 154.3 -> 141.9 us, fp8 B=32 (4 stages) 208.2 -> 133.6 us.
+        memory. The softmax's reductions over the tokens then cross the warps of a consumer,
+        through shared memory that Mosaic GPU allocates: each consumer's lies apart
+        (`mosaic_gpu.lower_apart`; in one, two consumers raced). On the H200: bf16 B=32 154.3
+        -> 141.9 us, fp8 B=32 (4 stages) 208.2 -> 133.6 us (one consumer each).
       fp8_k_in_registers: fp8 caches, with ``queries_in_n``: each K tile is loaded from its stage
         into registers, converted to fp16 there and given to the ``S^T = K Q^T`` wgmma as its A
         operand, instead of being written back to shared memory as an fp16 tile first (the same
@@ -206,8 +212,8 @@ class MosaicDecodeConfig:
       fp8_v_in_producer: fp8 caches: the producer warpgroup, which otherwise only issues the
         copies, converts each V tile to fp16 (zeroing the rows outside the sequence on tiles
         that hold any) into a ring of two converted tiles that the consumer's ``P V`` wgmma
-        reads, so the consumer's work per tile is the K conversion, the two wgmmas and the
-        softmax. No effect on 16-bit caches.
+        reads (two tiles, or one per consumer for several), so the consumer's work per tile is
+        the K conversion, the two wgmmas and the softmax. No effect on 16-bit caches.
     """
 
     block_k: int = 64
@@ -232,20 +238,13 @@ class MosaicDecodeConfig:
                 "MosaicDecodeConfig(fp8_k_in_registers=True, queries_in_n=False): K is the A"
                 " operand of a wgmma (the one operand registers can hold) only with the queries"
                 " in N")
-        if self.queries_in_n and self.num_consumers > 1:
-            # Measured on the H200 (jax 0.11.2): with two consumer warpgroups the compiled kernel's
-            # lse differed from impl="xla" by up to 0.8, run to run (one consumer: 1e-6); the
-            # token reductions of S^T cross warps, and the two warpgroups' reductions race.
-            raise ValueError(
-                f"MosaicDecodeConfig(queries_in_n=True, num_consumers={self.num_consumers}):"
-                " the queries in N take one consumer warpgroup (two race in compiled Mosaic GPU)")
         if self.block_k not in (64, 128):
             raise ValueError(f"MosaicDecodeConfig.block_k={self.block_k} must be 64 or 128")
         if self.num_stages < 2:
             raise ValueError(f"MosaicDecodeConfig.num_stages={self.num_stages} must be >= 2")
-        if self.num_consumers not in (1, 2):
-            raise ValueError(
-                f"MosaicDecodeConfig.num_consumers={self.num_consumers} must be 1 or 2")
+        if self.num_consumers > MAX_MOSAIC_CONSUMERS:
+            raise ValueError(f"MosaicDecodeConfig.num_consumers={self.num_consumers} must be 1 to"
+                             f" {MAX_MOSAIC_CONSUMERS}")
         if self.num_stages % self.num_consumers:
             raise ValueError(
                 f"MosaicDecodeConfig.num_stages={self.num_stages} must be a multiple of"

@@ -5,7 +5,7 @@ Pallas Triton is deprecated from jax 0.11; this is the same operation written fo
 Read top to bottom (the public function is `pallas_paged.decode_attention.api.decode`):
 
 1. `_paged_decode_kernel` works on refs only. One CTA owns one (sequence, kv head, KV split) and
-   has a producer warpgroup and ``num_consumers`` (1 or 2) consumer warpgroups. A tile is
+   has a producer warpgroup and ``num_consumers`` (1 to 4) consumer warpgroups. A tile is
    ``block_k`` consecutive tokens of the sequence: ``block_k / block_size`` whole pages (one TMA
    copy each, addressed by the block id read from the table in GMEM) or, for pages larger than a
    tile, one slice of one page.
@@ -25,9 +25,10 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
      group is the wgmmas' N instead (padded to a multiple of 8): ``S^T = K Q^T`` and ``O^T =
      V^T P^T``, the softmax over the tokens of ``S^T``'s columns, P stored transposed, ``O^T``
      written out whole.
-     Consumer ``c``
-     of ``C`` takes the split's tiles ``c, c + C, ...``, which live in the ring's stages ``c, c +
-     C, ...`` (``num_stages`` is a multiple of ``C``), so each stage's barriers have one waiter.
+     Consumer ``c`` of ``C`` takes the split's tiles ``c, c + C, ...``, which live in the ring's
+     stages ``c, c + C, ...`` (``num_stages`` is a multiple of ``C``), so each stage's barriers
+     have one waiter. Each consumer's code is lowered on its own (`lower_apart`): with the
+     queries in N its reductions across warps then use their own shared-memory scratch.
    Only a split's first tile (before a window) and its last (past the sequence's end) can hold
    positions outside ``[first, n)``: each warpgroup walks its tiles in three loops, the masked
    tile body for those two and an unmasked one (no selects, no branch) for the rest.
@@ -88,19 +89,71 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 KERNEL_NAME = "pallas_paged_decode_mosaic"
 PRODUCER = 0  # the producer warpgroup; consumers are warpgroups 1 .. num_consumers
-# With MosaicDecodeConfig.fp8_v_in_producer: the ring of converted fp16 V tiles the producer
-# fills and the consumer reads (two: one converted while the other is read).
-V_CONVERTED_STAGES = 2
-# Registers per thread with two consumers (three warpgroups share 64K): the producer gives its
-# share to the consumers, whose accumulators and scores live in registers.
-PRODUCER_REGISTERS, CONSUMER_REGISTERS = 40, 232
+# With several consumers the producer gives its registers to them (`consumer_registers`), whose
+# accumulators and scores live in registers.
+PRODUCER_REGISTERS = 40
+REGISTERS_PER_SM = 64 * 1024
 MAX_SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on sm_90
+# The shared memory Mosaic GPU places at the end of the scoped allocations for a reduction across
+# the warps of a warpgroup (its CompilerParams.reduction_scratch_bytes, passed explicitly). Every
+# warpgroup's reductions at one point of the program use the same bytes, so the consumers after
+# the first lower theirs past pads of this size (`lower_apart`): concurrent reductions of two
+# warpgroups in one scratch race (`benchmarks/mosaic_reduce_race.py`).
+REDUCTION_SCRATCH_BYTES = 2048
 # Shared memory Mosaic GPU's kernel takes beyond the scratch below (measured on the H200, jax
 # 0.11.2: a CTA of 230504 scratch bytes was 232552 bytes).
 MOSAIC_OWN_SMEM_BYTES = 2048
 # Mosaic GPU's compiler parameters for the kernel: exact math (exp, division), as the parity
 # bounds were met with; `benchmarks.bench_mosaic --compiler-param` times others beside these.
-COMPILER_PARAMS = {"approx_math": False}
+COMPILER_PARAMS = {"approx_math": False, "reduction_scratch_bytes": REDUCTION_SCRATCH_BYTES}
+
+
+def v_converted_stages(num_consumers: int) -> int:
+    """With ``MosaicDecodeConfig.fp8_v_in_producer``: the tiles of the ring of converted fp16 V
+    tiles the producer fills and the consumers read. Two (one converted while the other is read)
+    for one consumer; one per consumer for several, so that consumer ``c`` (the split's tiles
+    ``c, c + C, ...``) alone waits on slot ``c``'s barriers."""
+    return max(2, num_consumers)
+
+
+def consumer_registers(num_consumers: int) -> int:
+    """Registers per thread each of several consumer warpgroups takes (``setmaxnreg``): the CTA's
+    launch share (the register file over its ``1 + num_consumers`` warpgroups, a multiple of 8)
+    less the producer's `PRODUCER_REGISTERS`, split among the consumers (2: 232, 3: 152, 4: 104)."""
+    warpgroups = 1 + num_consumers
+    launch = REGISTERS_PER_SM // (128 * warpgroups) // 8 * 8
+    return min((launch * warpgroups - PRODUCER_REGISTERS) // num_consumers // 8 * 8, 256)
+
+
+def reduction_pads(config: MosaicDecodeConfig) -> int:
+    """Scoped pads of `REDUCTION_SCRATCH_BYTES` that `lower_apart` places under the consumers after
+    the first: only the queries in N reduce across warps (over the tokens of ``S^T``)."""
+    return config.num_consumers - 1 if config.queries_in_n else 0
+
+
+def lower_apart(plgpu, count: int, lower, apart: bool) -> None:
+    """``lower(i)`` for ``i`` in ``0 .. count - 1`` (each guarded by its own ``pl.when`` on the
+    warpgroup), with ``apart``: ``lower(i)`` inside ``i`` nested scoped pads of
+    `REDUCTION_SCRATCH_BYTES`, so the scratch Mosaic GPU places at the end of the scoped
+    allocations for each cross-warp reduction lies at its own offset for every ``i``.
+
+    Each scope begins with a barrier of the whole CTA (and ends without one): every warpgroup must
+    reach this call before it waits on another. The scopes are entered first, deepest last, and
+    ``lower(i)`` runs on the way out, so no warpgroup's work sits before another's barrier.
+    """
+    if not apart:
+        for i in range(count):
+            lower(i)
+        return
+
+    def from_level(i):
+        if i + 1 < count:
+            pl.run_scoped(lambda _pad: from_level(i + 1),
+                          plgpu.SMEM((REDUCTION_SCRATCH_BYTES // 4,), jnp.float32),
+                          collective_axes="wg")
+        lower(i)
+
+    from_level(0)
 
 
 def query_rows(group: int, config: MosaicDecodeConfig) -> int:
@@ -123,15 +176,17 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
     total += 2 * config.num_stages * tile * cache            # the K and V ring
     convert = jnp.dtype(cache_dtype) != jnp.dtype(compute_dtype)
     v_in_producer = convert and config.fp8_v_in_producer
+    v_ring = v_converted_stages(consumers)
     if convert:                                              # converted V (and K) tiles
-        v_tiles = V_CONVERTED_STAGES if v_in_producer else consumers
+        v_tiles = v_ring if v_in_producer else consumers
         k_tiles = 0 if config.fp8_k_in_registers else consumers
         total += (v_tiles + k_tiles) * tile * compute
     total += consumers * rows * config.block_k * compute     # P
     total += consumers * rows * (head_dim + 2) * 4           # o, m, l
     total += rows * 4 * alibi                                # the slopes
     total += 8 * (1 + 3 * config.num_stages)                 # barriers
-    total += 8 * 2 * V_CONVERTED_STAGES * v_in_producer     # the converted ring's barriers
+    total += 8 * 2 * v_ring * v_in_producer                  # the converted ring's barriers
+    total += REDUCTION_SCRATCH_BYTES * reduction_pads(config)  # `lower_apart`'s pads
     return total + MOSAIC_OWN_SMEM_BYTES
 
 
@@ -267,6 +322,7 @@ def _paged_decode_kernel(
     # Pages the tiles may address: the table is read only inside [page_lo, page_hi].
     page_lo, page_hi = first // block_size, jnp.maximum(n - 1, 0) // block_size
     convert = jnp.dtype(k_ref.dtype) != jnp.dtype(compute_dtype)
+    v_ring = v_converted_stages(num_consumers)  # with fp8_v_in_producer: converted V tiles
     q_rows = q_ref.shape[2]
     # The scores' layout: [q_rows, Tk] (queries in wgmma's M), or [Tk, q_rows] (queries_in_n).
     query_axis = 1 if queries_in_n else 0
@@ -310,13 +366,13 @@ def _paged_decode_kernel(
         # q_smem [R, D] (R = q_rows); k_smem, v_smem [stages, block_k, D] in the cache dtype; per
         # consumer (leading axis C): kc_smem, vc_smem [C, block_k, D] in compute_dtype (fp8
         # caches only, else None; kc_smem None with fp8_k_in_registers too; vc_smem the
-        # producer's ring [V_CONVERTED_STAGES, block_k, D] with fp8_v_in_producer), p_smem [C,
+        # producer's ring [v_ring, block_k, D] with fp8_v_in_producer), p_smem [C,
         # R, block_k] in compute_dtype, o_smem f32[C, R, D]
         # (queries_in_n: [C, D, R], O^T), ml_smem f32[C, 2, R]; alibi_smem f32[R] or None.
         # Barriers: q_bar (queries and slopes); k_bars[stages], v_bars[stages] (TMA done);
         # free_bars[stages] (a stage is done with: its consumer, and with fp8_v_in_producer the
-        # producer too); with fp8_v_in_producer, vconv_bars[V_CONVERTED_STAGES] (a converted V
-        # tile is ready) and vfree_bars[V_CONVERTED_STAGES] (the consumer is done with it), else
+        # producer too); with fp8_v_in_producer, vconv_bars[v_ring] (a converted V
+        # tile is ready) and vfree_bars[v_ring] (the consumer is done with it), else
         # None.
         copies = _copies_per_tile(block_size, block_k)
 
@@ -349,7 +405,7 @@ def _paged_decode_kernel(
         def produce_converting_v(vc_ring):
             """The producer with ``fp8_v_in_producer``: fills the ring, then per tile converts
             its V stage into the ``vc_ring`` slot the consumer reads (a ring of
-            `V_CONVERTED_STAGES`), and refills the stage once the consumer has its K too."""
+            ``v_ring``), and refills the stage once the consumer has its K too."""
             for j in range(num_stages):  # the first tiles: every stage of the ring
 
                 @pl.when(j < num_tiles)
@@ -358,7 +414,7 @@ def _paged_decode_kernel(
 
             def produce(step, carry, masked):
                 slot = jax.lax.rem(step, num_stages)
-                vslot = jax.lax.rem(step, V_CONVERTED_STAGES)
+                vslot = jax.lax.rem(step, v_ring)
                 refill = step + num_stages < num_tiles
                 # The refill's table entries, loaded first: their latency hides behind the
                 # conversion (past the range the page index is clamped: an entry of this
@@ -366,7 +422,7 @@ def _paged_decode_kernel(
                 blocks = block_ids(tile_lo + step + num_stages)
                 plgpu.barrier_wait(v_bars.at[slot])
 
-                @pl.when(step >= V_CONVERTED_STAGES)
+                @pl.when(step >= v_ring)
                 def _wait_converted_free():
                     plgpu.barrier_wait(vfree_bars.at[vslot])
 
@@ -390,6 +446,22 @@ def _paged_decode_kernel(
             plgpu.commit_smem()
 
         wg = jax.lax.axis_index("wg")
+
+        def lower_consumer(c):
+            @pl.when(wg == PRODUCER + 1 + c)
+            def _consumer():
+                if num_consumers > 1:
+                    plgpu.set_max_registers(consumer_registers(num_consumers),
+                                            action="increase")
+                consume(c, q_smem, k_smem, v_smem,
+                        None if kc_smem is None else kc_smem.at[c],
+                        vc_smem if fp8_v_in_producer or vc_smem is None else vc_smem.at[c],
+                        p_smem.at[c], alibi_smem, o_smem.at[c], ml_smem.at[c], q_bar, k_bars,
+                        v_bars, free_bars, vconv_bars, vfree_bars, store_v)
+
+        # The consumers first: with the queries in N each consumer's reductions across its warps
+        # get their own scratch, under scopes whose barriers every warpgroup passes at once.
+        lower_apart(plgpu, num_consumers, lower_consumer, apart=queries_in_n)
 
         @pl.when(wg == PRODUCER)
         def _producer():
@@ -416,17 +488,6 @@ def _paged_decode_kernel(
                     plgpu.barrier_wait(free_bars.at[slot])
 
                 issue(tile_lo + step, slot, blocks)
-
-        @pl.when(wg != PRODUCER)
-        def _consumer():
-            if num_consumers > 1:
-                plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-            c = wg - 1
-            consume(c, q_smem, k_smem, v_smem,
-                    None if kc_smem is None else kc_smem.at[c],
-                    vc_smem if fp8_v_in_producer or vc_smem is None else vc_smem.at[c],
-                    p_smem.at[c], alibi_smem, o_smem.at[c], ml_smem.at[c], q_bar, k_bars,
-                    v_bars, free_bars, vconv_bars, vfree_bars, store_v)
 
     def consume(c, q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem, ml_smem,
                 q_bar, k_bars, v_bars, free_bars, vconv_bars, vfree_bars, store_v):
@@ -459,8 +520,7 @@ def _paged_decode_kernel(
             if fp8_k_in_registers:
                 # fp8 K straight into registers in the layout that converts to wgmma's A operand
                 # with one warp shuffle: no fp16 copy of the tile in shared memory.
-                k8 = plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X)
-                k_tile = plgpu.layout_cast(_from_fp8(k8, compute_dtype), plgpu.Layout.WGMMA)
+                k_tile = fp8_tile_in_registers(plgpu, k_smem.at[slot], compute_dtype)
             elif convert:
                 kc_smem[...] = _from_fp8(k_smem[slot], compute_dtype)
                 plgpu.commit_smem()
@@ -497,7 +557,7 @@ def _paged_decode_kernel(
             l_parts = l_parts * per_query(alpha, p.shape) + p
 
             if fp8_v_in_producer:  # converted (and masked) by the producer
-                vslot = jax.lax.rem(step, V_CONVERTED_STAGES)
+                vslot = jax.lax.rem(step, v_ring)
                 plgpu.barrier_wait(vconv_bars.at[vslot])
                 v_tile = vc_smem.at[vslot]
             elif convert:
@@ -533,7 +593,7 @@ def _paged_decode_kernel(
             # will refill it (every arrival is waited for, so no barrier phase is left
             # unobserved).
             if fp8_v_in_producer:
-                @pl.when(step + V_CONVERTED_STAGES < num_tiles)
+                @pl.when(step + v_ring < num_tiles)
                 def _free_converted():
                     plgpu.barrier_arrive(vfree_bars.at[vslot])
             else:
@@ -566,10 +626,10 @@ def _paged_decode_kernel(
             slot = jax.lax.rem(step, num_stages)
             plgpu.barrier_wait(k_bars.at[slot])
             if fp8_v_in_producer:
-                vslot = jax.lax.rem(step, V_CONVERTED_STAGES)
+                vslot = jax.lax.rem(step, v_ring)
                 plgpu.barrier_wait(vconv_bars.at[vslot])
 
-                @pl.when(step + V_CONVERTED_STAGES < num_tiles)
+                @pl.when(step + v_ring < num_tiles)
                 def _free_converted():
                     plgpu.barrier_arrive(vfree_bars.at[vslot])
             else:
@@ -605,7 +665,7 @@ def _paged_decode_kernel(
         smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
         (smem((consumers, block_k, head_dim), compute_dtype, mma_operand=True)
          if convert and not fp8_k_in_registers else None),
-        (smem((V_CONVERTED_STAGES if fp8_v_in_producer else consumers, block_k, head_dim),
+        (smem((v_ring if fp8_v_in_producer else consumers, block_k, head_dim),
               compute_dtype, mma_operand=True) if convert else None),
         smem((consumers, q_rows, block_k), compute_dtype, mma_operand=True),
         smem((q_rows,), jnp.float32, mma_operand=False) if alibi_ref is not None else None,
@@ -616,8 +676,8 @@ def _paged_decode_kernel(
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
         # a stage's consumer, and with fp8_v_in_producer the producer too, are done with it
         plgpu.Barrier(num_arrivals=1 + fp8_v_in_producer, num_barriers=num_stages),
-        plgpu.Barrier(num_barriers=V_CONVERTED_STAGES) if fp8_v_in_producer else None,
-        plgpu.Barrier(num_barriers=V_CONVERTED_STAGES) if fp8_v_in_producer else None,
+        plgpu.Barrier(num_barriers=v_ring) if fp8_v_in_producer else None,
+        plgpu.Barrier(num_barriers=v_ring) if fp8_v_in_producer else None,
     )
     pl.run_scoped(body, *scratch, collective_axes="wg")
 
@@ -630,6 +690,15 @@ def mma_smem(plgpu, shape, dtype):
     swizzle = 128 if row_bytes % 128 == 0 else 64 if row_bytes % 64 == 0 else 32
     return plgpu.SMEM(shape, dtype, transforms=(
         plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
+
+
+def fp8_tile_in_registers(plgpu, ref, dtype):
+    """The fp8 ``[rows, D]`` tile ``ref`` (shared memory) in registers, converted to ``dtype``
+    (`_from_fp8`), in wgmma's register layout (its A operand): loaded in the layout whose upcast
+    is one warp shuffle away from it. (The producer's V conversion loaded this way, then stored
+    to shared memory, measured 2-5% slower than in the default layout on the H200, 2026-12-02.)"""
+    x8 = plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
+    return plgpu.layout_cast(_from_fp8(x8, dtype), plgpu.Layout.WGMMA)
 
 
 def _from_fp8(x, dtype):
