@@ -184,12 +184,7 @@ def test_sliding_window_skips_pages_before_it(rng, window, config):
                                             ("float16", QN_FOUR_STAGES),
                                             ("bfloat16", dataclasses.replace(
                                                 QN_THREE_CONSUMERS, fp8_k_in_registers=True,
-                                                fp8_v_in_producer=True)),
-                                            ("float16", dataclasses.replace(
-                                                QN_FOUR_STAGES, fp8_v_copy_layout=True)),
-                                            ("bfloat16", dataclasses.replace(
-                                                QN_FOUR_STAGES, fp8_v_in_producer=True,
-                                                fp8_v_copy_layout=True))])
+                                                fp8_v_in_producer=True))])
 def test_fp8_cache(rng, q_dtype, config):
     paged = make_paged(rng, lens=[100, 0, 17], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype="float8_e4m3fn", q_dtype=q_dtype)
@@ -377,8 +372,6 @@ def test_config_type_and_fields_are_checked():
         MosaicDecodeConfig(fp8_k_in_registers=True)
     with pytest.raises(ValueError, match="fp8_v_in_producer=1 must be a bool"):
         MosaicDecodeConfig(fp8_v_in_producer=1)
-    with pytest.raises(ValueError, match="fp8_v_copy_layout=None must be a bool"):
-        MosaicDecodeConfig(fp8_v_copy_layout=None)
     with pytest.raises(ValueError, match="shared memory"):
         jax.eval_shape(functools.partial(
             pp.decode, impl="mosaic", interpret=True,
@@ -654,15 +647,6 @@ LOWERINGS = {
     "queries_in_m_fp8_two_consumers_every_option": dict(
         dtype=jnp.float16, cache_dtype=jnp.float8_e4m3fn, scales=True, options=True,
         config=MosaicDecodeConfig(block_k=64, num_stages=2, num_consumers=2)),
-    # the fp8 V tile loaded in the copy layout of its fp16 tile, by the producer or a consumer
-    "fp8_v_copy_layout_in_producer_every_option": dict(
-        cache_dtype=jnp.float8_e4m3fn, scales=True, options=True,
-        config=dataclasses.replace(QN_FOUR_STAGES, fp8_k_in_registers=True,
-                                   fp8_v_in_producer=True, fp8_v_copy_layout=True)),
-    "fp8_v_copy_layout_two_consumers_fp16_d64": dict(
-        dtype=jnp.float16, cache_dtype=jnp.float8_e4m3fn, scales=True, head_dim=64,
-        config=MosaicDecodeConfig(block_k=64, num_stages=4, num_consumers=2, queries_in_n=True,
-                                  fp8_v_copy_layout=True)),
 }
 
 
@@ -694,7 +678,6 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
     assert ("_qn" in text) == ran.queries_in_n
     assert ("_kreg" in text) == (ran.fp8_k_in_registers and args[1].dtype == jnp.float8_e4m3fn)
     assert ("_vprod" in text) == (ran.fp8_v_in_producer and args[1].dtype == jnp.float8_e4m3fn)
-    assert ("_vcopy" in text) == (ran.fp8_v_copy_layout and args[1].dtype == jnp.float8_e4m3fn)
 
 
 # --- the compiled kernel on a GPU ------------------------------------------------------------------
@@ -746,17 +729,14 @@ def test_compiled_kernel_at_realistic_shapes(rng, batch, context, dtype, queries
 @pytest.mark.parametrize("block_k,num_stages", [(64, 4), (128, 2)])
 @pytest.mark.parametrize("conversion", [dict(fp8_k_in_registers=True),
                                         dict(fp8_v_in_producer=True),
-                                        dict(fp8_k_in_registers=True, fp8_v_in_producer=True),
-                                        dict(fp8_v_copy_layout=True),
-                                        dict(fp8_k_in_registers=True, fp8_v_in_producer=True,
-                                             fp8_v_copy_layout=True)],
+                                        dict(fp8_k_in_registers=True, fp8_v_in_producer=True)],
                          ids=lambda d: "+".join(d))
 def test_compiled_fp8_conversions_match_the_consumer_shared_memory_path(rng, q_dtype, block_k,
                                                                        num_stages, conversion):
-    """The fp8 K tile converted in registers as the wgmma's A operand, the V tile converted by
-    the producer warpgroup, and the V tile loaded in its copy layout, give the outputs of the
-    consumer converting both through shared memory in the inferred layout (the same exact
-    conversion, the same products), with every option, splits and NaN in the unused slots: within one ulp of the output dtype, and the lse within 1e-6. Two programs
+    """The fp8 K tile converted in registers as the wgmma's A operand, and the V tile converted
+    by the producer warpgroup, give the outputs of the consumer converting both through shared
+    memory (the same exact conversion, the same products), with every option, splits and NaN in
+    the unused slots: within one ulp of the output dtype, and the lse within 1e-6. Two programs
     compiled apart may round their fp32 running sums differently (on the H200, with fp16
     queries and 128-token tiles, the producer's V conversion moved 7 of 16384 outputs by one
     ulp, the same in every run of either program)."""

@@ -214,11 +214,6 @@ class MosaicDecodeConfig:
         that hold any) into a ring of two converted tiles that the consumer's ``P V`` wgmma
         reads (two tiles, or one per consumer for several), so the consumer's work per tile is
         the K conversion, the two wgmmas and the softmax. No effect on 16-bit caches.
-      fp8_v_copy_layout: fp8 caches: the warpgroup that converts a V tile (the consumer, or the
-        producer with ``fp8_v_in_producer``) loads it in Mosaic GPU's copy layout of the fp16
-        tile (8 fp8 bytes per load, 16-byte stores of the converted tile without bank
-        conflicts) instead of the layout Mosaic infers (2 bytes per load on the H200). The same
-        numbers. No effect on 16-bit caches.
     """
 
     block_k: int = 64
@@ -228,15 +223,13 @@ class MosaicDecodeConfig:
     queries_in_n: bool = False
     fp8_k_in_registers: bool = False
     fp8_v_in_producer: bool = False
-    fp8_v_copy_layout: bool = False
 
     def __post_init__(self):
         for name in ("block_k", "num_splits", "num_stages", "num_consumers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MosaicDecodeConfig.{name}={value!r} must be a positive int")
-        for name in ("queries_in_n", "fp8_k_in_registers", "fp8_v_in_producer",
-                     "fp8_v_copy_layout"):
+        for name in ("queries_in_n", "fp8_k_in_registers", "fp8_v_in_producer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"MosaicDecodeConfig.{name}={getattr(self, name)!r} must be a bool")

@@ -305,7 +305,6 @@ def _paged_decode_kernel(
     queries_in_n: bool,
     fp8_k_in_registers: bool,
     fp8_v_in_producer: bool,
-    fp8_v_copy_layout: bool,
     soft_cap: float | None,
     window: int | None,
     compute_dtype,
@@ -442,9 +441,7 @@ def _paged_decode_kernel(
         def store_v(slot, vc_ref, tile, masked):
             """The fp8 V tile of stage ``slot``, converted into ``vc_ref`` (``masked``: rows
             outside ``[first, n)`` zeroed), ready for the wgmma."""
-            v8 = (fp8_tile_for_smem(plgpu, v_smem.at[slot], compute_dtype)
-                  if fp8_v_copy_layout else v_smem[slot])
-            v = _from_fp8(v8, compute_dtype)
+            v = _from_fp8(v_smem[slot], compute_dtype)
             vc_ref[...] = zero_invalid_rows(v, tile) if masked else v
             plgpu.commit_smem()
 
@@ -685,28 +682,14 @@ def _paged_decode_kernel(
     pl.run_scoped(body, *scratch, collective_axes="wg")
 
 
-def mma_swizzle(shape, dtype) -> int:
-    """The swizzle (bytes) of `mma_smem`: the widest the rows allow (32, 64 or 128 bytes)."""
-    row_bytes = shape[-1] * jnp.dtype(dtype).itemsize
-    return 128 if row_bytes % 128 == 0 else 64 if row_bytes % 64 == 0 else 32
-
-
 def mma_smem(plgpu, shape, dtype):
     """Shared memory for a wgmma operand (or a TMA destination read as one): 8-row tiles of
-    the widest swizzle the rows allow (`mma_swizzle`)."""
-    swizzle = mma_swizzle(shape, dtype)
+    the widest swizzle the rows allow (32, 64 or 128 bytes)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    row_bytes = shape[-1] * itemsize
+    swizzle = 128 if row_bytes % 128 == 0 else 64 if row_bytes % 64 == 0 else 32
     return plgpu.SMEM(shape, dtype, transforms=(
-        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-        plgpu.SwizzleTransform(swizzle)))
-
-
-def fp8_tile_for_smem(plgpu, ref, dtype):
-    """The fp8 ``[rows, D]`` tile ``ref`` (shared memory) in registers, in the layout that stores
-    its ``dtype`` conversion into `mma_smem` with whole 16-byte vectors and no bank conflicts
-    (Mosaic GPU's copy layout of a ``dtype`` tile: 8 fp8 bytes per load, 16 bytes per store)."""
-    shape = ref.shape
-    return plgpu.load(ref, layout=plgpu.Layout.SMEM_GMEM_COPY(
-        shape, dtype, mma_swizzle(shape, dtype)))
+        plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
 
 
 def fp8_tile_in_registers(plgpu, ref, dtype):
@@ -789,7 +772,6 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
         num_consumers=config.num_consumers, queries_in_n=config.queries_in_n,
         fp8_k_in_registers=k_in_registers,
         fp8_v_in_producer=config.fp8_v_in_producer and compute_dtype != k_cache.dtype,
-        fp8_v_copy_layout=config.fp8_v_copy_layout and compute_dtype != k_cache.dtype,
         soft_cap=logits_soft_cap, window=sliding_window,
         compute_dtype=compute_dtype, producer_only=producer_only)
     optional = {"alibi": alibi, "scores": score_multipliers}  # inputs only some calls have
@@ -810,7 +792,6 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
             + ("_qn" if config.queries_in_n else "")
             + ("_kreg" if k_in_registers else "")
             + ("_vprod" if config.fp8_v_in_producer and compute_dtype != k_cache.dtype else "")
-            + ("_vcopy" if config.fp8_v_copy_layout and compute_dtype != k_cache.dtype else "")
             + ("_producer_only" if producer_only else ""))
     o, m, l = plgpu.kernel(
         kernel_body,
