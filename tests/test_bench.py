@@ -997,8 +997,8 @@ def test_fp8_pairs_two_words_per_conversion_share_the_byte_permutes():
 def test_mosaic_reduce_race_checks_every_variant(capsys):
     """The two-consumer race's reproducer runs its variants (one and two warpgroups reducing over
     axis 1 and over axis 0, and two and four over axis 0 with their scratch apart) and compares
-    each with numpy; in interpret mode (as on
-    a GPU where Mosaic GPU is right) every tile is exact, so it exits 0."""
+    each with numpy; in interpret mode (as on a GPU where Mosaic GPU is right) every tile is
+    exact, so it exits 0."""
     from benchmarks import mosaic_reduce_race
 
     if jax.default_backend() == "gpu":

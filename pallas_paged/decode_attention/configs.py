@@ -177,6 +177,7 @@ def lookup(shape: DecodeShape, device_kind: str, sm_count: int) -> DecodeConfig:
 
 MAX_MOSAIC_CONSUMERS = 4  # consumer warpgroups per CTA: with the producer, 640 threads
 
+
 @dataclasses.dataclass(frozen=True)
 class MosaicDecodeConfig:
     """Static knobs of the Mosaic GPU paged-decode kernel (hashable: a static jit argument).

@@ -125,14 +125,14 @@ def consumer_registers(num_consumers: int) -> int:
     return min((launch * warpgroups - PRODUCER_REGISTERS) // num_consumers // 8 * 8, 256)
 
 
-def reduction_pads(config: MosaicDecodeConfig) -> int:
+def reduction_pads(num_consumers: int, queries_in_n: bool) -> int:
     """Scoped pads of `REDUCTION_SCRATCH_BYTES` that `lower_apart` places under the consumers after
     the first: only the queries in N reduce across warps (over the tokens of ``S^T``)."""
-    return config.num_consumers - 1 if config.queries_in_n else 0
+    return num_consumers - 1 if queries_in_n else 0
 
 
 def lower_apart(plgpu, count: int, lower, apart: bool) -> None:
-    """``lower(i)`` for ``i`` in ``0 .. count - 1`` (each guarded by its own ``pl.when`` on the
+    """``lower(i)`` for ``i`` in ``0 .. count - 1`` (each guards itself with a ``pl.when`` on its
     warpgroup), with ``apart``: ``lower(i)`` inside ``i`` nested scoped pads of
     `REDUCTION_SCRATCH_BYTES`, so the scratch Mosaic GPU places at the end of the scoped
     allocations for each cross-warp reduction lies at its own offset for every ``i``.
@@ -186,7 +186,7 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
     total += rows * 4 * alibi                                # the slopes
     total += 8 * (1 + 3 * config.num_stages)                 # barriers
     total += 8 * 2 * v_ring * v_in_producer                  # the converted ring's barriers
-    total += REDUCTION_SCRATCH_BYTES * reduction_pads(config)  # `lower_apart`'s pads
+    total += REDUCTION_SCRATCH_BYTES * reduction_pads(consumers, config.queries_in_n)  # pads
     return total + MOSAIC_OWN_SMEM_BYTES
 
 
@@ -461,7 +461,8 @@ def _paged_decode_kernel(
 
         # The consumers first: with the queries in N each consumer's reductions across its warps
         # get their own scratch, under scopes whose barriers every warpgroup passes at once.
-        lower_apart(plgpu, num_consumers, lower_consumer, apart=queries_in_n)
+        lower_apart(plgpu, num_consumers, lower_consumer,
+                    apart=reduction_pads(num_consumers, queries_in_n) > 0)
 
         @pl.when(wg == PRODUCER)
         def _producer():
