@@ -65,12 +65,6 @@ QN_THREE_CONSUMERS = MosaicDecodeConfig(block_k=64, num_splits=2, num_stages=3, 
                                         queries_in_n=True)
 
 
-def ahead(config):
-    """``config`` with the next tile's scores issued before this tile's softmax
-    (`MosaicDecodeConfig.scores_ahead`)."""
-    return dataclasses.replace(config, scores_ahead=True)
-
-
 def in_n(config):
     """``config`` with the group's queries in the wgmmas' N (`MosaicDecodeConfig.queries_in_n`)."""
     return dataclasses.replace(config, queries_in_n=True)
@@ -116,9 +110,7 @@ def every_option(rng, num_heads):
     ("bfloat16", THREE_SPLITS), ("float16", ONE_SPLIT), ("bfloat16", TWO_CONSUMERS),
     ("float16", MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=4, num_consumers=2)),
     ("bfloat16", in_n(THREE_SPLITS)), ("float16", QN_FOUR_STAGES),
-    ("bfloat16", in_n(TWO_CONSUMERS)), ("float16", QN_THREE_CONSUMERS),
-    ("bfloat16", ahead(QN_FOUR_STAGES)), ("float16", ahead(ONE_SPLIT)),
-    ("bfloat16", ahead(in_n(TWO_CONSUMERS)))])
+    ("bfloat16", in_n(TWO_CONSUMERS)), ("float16", QN_THREE_CONSUMERS)])
 def test_matches_oracle_and_torch_ref(rng, dtype, config):
     paged = make_paged(rng, lens=[150, 0, 1, 16, 17, 64], num_heads=8, num_kv_heads=2,
                        head_dim=64, block_size=16, dtype=dtype)
@@ -192,11 +184,7 @@ def test_sliding_window_skips_pages_before_it(rng, window, config):
                                             ("float16", QN_FOUR_STAGES),
                                             ("bfloat16", dataclasses.replace(
                                                 QN_THREE_CONSUMERS, fp8_k_in_registers=True,
-                                                fp8_v_in_producer=True)),
-                                            ("float16", ahead(dataclasses.replace(
-                                                QN_FOUR_STAGES, fp8_k_in_registers=True,
-                                                fp8_v_in_producer=True))),
-                                            ("bfloat16", ahead(THREE_SPLITS))])
+                                                fp8_v_in_producer=True))])
 def test_fp8_cache(rng, q_dtype, config):
     paged = make_paged(rng, lens=[100, 0, 17], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype="float8_e4m3fn", q_dtype=q_dtype)
@@ -278,7 +266,7 @@ def test_i4_paged_equals_dense(rng):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
-@pytest.mark.parametrize("config", [THREE_SPLITS, in_n(THREE_SPLITS), ahead(in_n(THREE_SPLITS))])
+@pytest.mark.parametrize("config", [THREE_SPLITS, in_n(THREE_SPLITS)])
 @pytest.mark.parametrize("fill", [np.nan, np.inf])
 def test_i6_poisoned_unused_slots_change_nothing(rng, fill, config):
     """NaN/Inf in every slot that is not a valid token, split tiles and partial pages included:
@@ -294,7 +282,7 @@ def test_i6_poisoned_unused_slots_change_nothing(rng, fill, config):
     np.testing.assert_array_equal(out, mosaic(clean, config))
 
 
-@pytest.mark.parametrize("config", [THREE_SPLITS, in_n(THREE_SPLITS), ahead(in_n(TWO_CONSUMERS))])
+@pytest.mark.parametrize("config", [THREE_SPLITS, in_n(THREE_SPLITS)])
 def test_i7_zero_length_rows(rng, config):
     paged = make_paged(rng, lens=[0, 9, 0, 40], num_heads=4, num_kv_heads=2, head_dim=64,
                        block_size=8, dtype="bfloat16")
@@ -384,8 +372,6 @@ def test_config_type_and_fields_are_checked():
         MosaicDecodeConfig(fp8_k_in_registers=True)
     with pytest.raises(ValueError, match="fp8_v_in_producer=1 must be a bool"):
         MosaicDecodeConfig(fp8_v_in_producer=1)
-    with pytest.raises(ValueError, match="scores_ahead=None must be a bool"):
-        MosaicDecodeConfig(scores_ahead=None)
     with pytest.raises(ValueError, match="shared memory"):
         jax.eval_shape(functools.partial(
             pp.decode, impl="mosaic", interpret=True,
@@ -661,17 +647,6 @@ LOWERINGS = {
     "queries_in_m_fp8_two_consumers_every_option": dict(
         dtype=jnp.float16, cache_dtype=jnp.float8_e4m3fn, scales=True, options=True,
         config=MosaicDecodeConfig(block_k=64, num_stages=2, num_consumers=2)),
-    # the next tile's scores issued before this tile's softmax
-    "scores_ahead_bf16_bk128_st3": dict(config=MosaicDecodeConfig(
-        block_k=128, num_stages=3, queries_in_n=True, scores_ahead=True)),
-    "scores_ahead_fp8_k_in_registers_v_in_producer_every_option": dict(
-        cache_dtype=jnp.float8_e4m3fn, scales=True, options=True,
-        config=MosaicDecodeConfig(block_k=64, num_stages=3, queries_in_n=True,
-                                  fp8_k_in_registers=True, fp8_v_in_producer=True,
-                                  scores_ahead=True)),
-    "scores_ahead_two_consumers_queries_in_m_fp16": dict(
-        dtype=jnp.float16, config=MosaicDecodeConfig(block_k=64, num_stages=2, num_consumers=2,
-                                                     scores_ahead=True)),
 }
 
 
@@ -703,7 +678,6 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
     assert ("_qn" in text) == ran.queries_in_n
     assert ("_kreg" in text) == (ran.fp8_k_in_registers and args[1].dtype == jnp.float8_e4m3fn)
     assert ("_vprod" in text) == (ran.fp8_v_in_producer and args[1].dtype == jnp.float8_e4m3fn)
-    assert ("_ahead" in text) == ran.scores_ahead
 
 
 # --- the compiled kernel on a GPU ------------------------------------------------------------------
@@ -785,40 +759,6 @@ def test_compiled_fp8_conversions_match_the_consumer_shared_memory_path(rng, q_d
         np.maximum(np.abs(out), np.abs(smem_out)), float(info.tiny))))
     assert (np.abs(out - smem_out) <= one_ulp).all(), np.abs(out - smem_out).max()
     np.testing.assert_allclose(to_numpy(lse), to_numpy(smem_lse), rtol=1e-6, atol=0)
-    np.testing.assert_allclose(out, to_numpy(ref).astype(np.float32), atol=2e-2, rtol=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,fields", [
-    ("bfloat16", dict(block_k=128, num_stages=3)),
-    ("bfloat16", dict(block_k=64, num_stages=4, num_consumers=2)),
-    ("float8_e4m3fn", dict(block_k=64, num_stages=3, fp8_k_in_registers=True,
-                           fp8_v_in_producer=True))], ids=["bf16", "bf16_c2", "fp8"])
-def test_compiled_scores_ahead_matches_the_default(rng, dtype, fields):
-    """The next tile's scores issued before this tile's softmax (`scores_ahead`) change when the
-    wgmmas run, not what they compute: every option, splits, partial first and last tiles, NaN in
-    the unused slots; within one ulp of the output dtype of the same config without it (two
-    programs compiled apart may contract an fp32 multiply-add differently), the lse within
-    1e-6."""
-    paged = make_paged(rng, lens=[5000, 1700, 0, 333, 1], num_heads=32, num_kv_heads=8,
-                       head_dim=128, block_size=16, dtype=dtype, q_dtype="bfloat16",
-                       fill=np.nan)
-    options = every_option(rng, 32)
-    options["sliding_window"] = 1500
-    jax_options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in options.items()}
-    scales = dict(k_scale=0.5, v_scale=0.25) if dtype == "float8_e4m3fn" else {}
-    config = MosaicDecodeConfig(num_splits=4, queries_in_n=True, **fields)
-    (out0, lse0), (out, lse) = (
-        pp.decode(*paged.jax(), impl="mosaic", return_lse=True, **scales, **jax_options,
-                  config=dataclasses.replace(config, scores_ahead=ahead_on))
-        for ahead_on in (False, True))
-    out, out0 = (to_numpy(x).astype(np.float32) for x in (out, out0))
-    assert np.isfinite(out).all()
-    one_ulp = float(jnp.finfo(jnp.bfloat16).eps) * 2.0 ** np.floor(np.log2(np.maximum(
-        np.maximum(np.abs(out), np.abs(out0)), float(jnp.finfo(jnp.bfloat16).tiny))))
-    assert (np.abs(out - out0) <= one_ulp).all(), np.abs(out - out0).max()
-    np.testing.assert_allclose(to_numpy(lse), to_numpy(lse0), rtol=1e-6, atol=0)
-    ref = pp.decode(*paged.jax(), impl="xla", **scales, **jax_options)
     np.testing.assert_allclose(out, to_numpy(ref).astype(np.float32), atol=2e-2, rtol=0)
 
 

@@ -215,14 +215,6 @@ class MosaicDecodeConfig:
         that hold any) into a ring of two converted tiles that the consumer's ``P V`` wgmma
         reads (two tiles, or one per consumer for several), so the consumer's work per tile is
         the K conversion, the two wgmmas and the softmax. No effect on 16-bit caches.
-      scores_ahead: each consumer issues the scores wgmma of its next tile before the softmax of
-        the current one (two score accumulators), so the tensor cores compute the next scores
-        while the CUDA cores run this tile's softmax, instead of the consumer waiting for each
-        scores wgmma in turn. The consumer then holds two tiles' K at once (the next tile's
-        stage cannot be refilled until its ``P V``), so the ring wants a stage more: with 16-bit
-        caches the stage of tile ``i + num_stages`` is free only after tile ``i``'s ``P V``.
-        On its last tile a consumer recomputes that tile's scores instead of the next's (one
-        wgmma more per split, no branch around the wgmma).
     """
 
     block_k: int = 64
@@ -232,14 +224,13 @@ class MosaicDecodeConfig:
     queries_in_n: bool = False
     fp8_k_in_registers: bool = False
     fp8_v_in_producer: bool = False
-    scores_ahead: bool = False
 
     def __post_init__(self):
         for name in ("block_k", "num_splits", "num_stages", "num_consumers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MosaicDecodeConfig.{name}={value!r} must be a positive int")
-        for name in ("queries_in_n", "fp8_k_in_registers", "fp8_v_in_producer", "scores_ahead"):
+        for name in ("queries_in_n", "fp8_k_in_registers", "fp8_v_in_producer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"MosaicDecodeConfig.{name}={getattr(self, name)!r} must be a bool")

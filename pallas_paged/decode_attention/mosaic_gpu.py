@@ -29,9 +29,6 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
      stages ``c, c + C, ...`` (``num_stages`` is a multiple of ``C``), so each stage's barriers
      have one waiter. Each consumer's code is lowered on its own (`lower_apart`): with the
      queries in N its reductions across warps then use their own shared-memory scratch.
-     With ``MosaicDecodeConfig.scores_ahead`` a consumer issues its next tile's scores wgmma
-     before this tile's softmax and carries the scores to the next step, so the tensor cores
-     and the softmax's CUDA-core math of neighbouring tiles overlap.
    Only a split's first tile (before a window) and its last (past the sequence's end) can hold
    positions outside ``[first, n)``: each warpgroup walks its tiles in three loops, the masked
    tile body for those two and an unmasked one (no selects, no branch) for the rest.
@@ -308,7 +305,6 @@ def _paged_decode_kernel(
     queries_in_n: bool,
     fp8_k_in_registers: bool,
     fp8_v_in_producer: bool,
-    scores_ahead: bool,
     soft_cap: float | None,
     window: int | None,
     compute_dtype,
@@ -508,10 +504,20 @@ def _paged_decode_kernel(
             slopes = plgpu.load(alibi_smem, layout=plgpu.Layout.WGMMA.reduce(token_axis))
         score_scale = scale if scores_ref is None else scores_ref[b, h]
 
-        def scores(acc_ref, step):
-            """Issue (not wait for) the ``S`` (queries_in_n: ``S^T``) wgmma of the split's tile
-            ``step`` into ``acc_ref``; its K stage must have landed."""
+        def tile_body(i, carry, masked):
+            # f32[q_rows, D] (queries_in_n: [D, q_rows]), f32[q_rows], f32[score_shape] (the sum
+            # of the exponentials per score position, summed over the tokens once, after the
+            # last tile: no cross-warp reduction per tile for it); ``masked`` (static): the tile
+            # holds positions outside [first, n) (`masked_steps`)
+            acc, m_prev, l_parts = carry
+            step = c + i * num_consumers  # the split's tile counted from tile_lo
+            tile = tile_lo + step
             slot = jax.lax.rem(step, num_stages)
+            if masked or alibi_smem is not None:  # the scores' positions
+                pos = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, score_shape,
+                                                                token_axis)
+
+            plgpu.barrier_wait(k_bars.at[slot])
             if fp8_k_in_registers:
                 # fp8 K straight into registers in the layout that converts to wgmma's A operand
                 # with one warp shuffle: no fp16 copy of the tile in shared memory.
@@ -522,70 +528,21 @@ def _paged_decode_kernel(
                 k_tile = kc_smem
             else:
                 k_tile = k_smem.at[slot]
-            if queries_in_n:  # S^T = K Q^T: M = the tile's tokens, N = the queries
-                plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
-            else:
-                plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
 
-        def free_k(step):
-            """With ``fp8_v_in_producer`` K is all a consumer reads of a stage (V comes converted):
-            once ``step``'s scores wgmma is done, free its part of the stage, so the producer
-            refills it while the softmax runs (when it will: every arrival is waited for)."""
+            def qk(acc_ref):
+                if queries_in_n:  # S^T = K Q^T: M = the tile's tokens, N = the queries
+                    plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
+                else:
+                    plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC(score_shape, jnp.float32))  # f32[score_shape]
             if fp8_v_in_producer:
+                # K is all this consumer reads of the stage (V comes converted): free its part of
+                # the stage now, so the producer refills it while the softmax runs.
                 @pl.when(step + num_stages < num_tiles)
                 def _free_k():
-                    plgpu.barrier_arrive(free_bars.at[jax.lax.rem(step, num_stages)])
-
-        def tile_body(i, carry, masked):
-            # f32[q_rows, D] (queries_in_n: [D, q_rows]), f32[q_rows], f32[score_shape] (the sum
-            # of the exponentials per score position, summed over the tokens once, after the
-            # last tile: no cross-warp reduction per tile for it), with scores_ahead then this
-            # tile's raw scores f32[score_shape]; ``masked`` (static): the tile holds positions
-            # outside [first, n) (`masked_steps`)
-            step = c + i * num_consumers  # the split's tile counted from tile_lo
-            if not scores_ahead:
-                plgpu.barrier_wait(k_bars.at[jax.lax.rem(step, num_stages)])
-
-                def qk(acc_ref):
-                    scores(acc_ref, step)
-                    return acc_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC(score_shape, jnp.float32))
-                free_k(step)
-                return softmax_and_pv(step, s, *carry, masked=masked)
-
-            # The next tile's scores go to the tensor cores before this tile's softmax; on the
-            # last tile, this tile's again (`MosaicDecodeConfig.scores_ahead`).
-            *carry, s = carry
-            has_next = i + 1 < my_tiles
-            next_step = jnp.where(has_next, step + num_consumers, step)
-
-            @pl.when(has_next)
-            def _wait_next_k():
-                plgpu.barrier_wait(k_bars.at[jax.lax.rem(next_step, num_stages)])
-
-            def ahead(next_ref):
-                scores(next_ref, next_step)
-                out = softmax_and_pv(step, s, *carry, masked=masked)
-                return out + (next_ref[...],)  # done: P V's wait came after it
-
-            out = pl.run_scoped(ahead, plgpu.ACC(score_shape, jnp.float32))
-
-            @pl.when(has_next)
-            def _free_next_k():
-                free_k(next_step)
-
-            return out
-
-        def softmax_and_pv(step, s, acc, m_prev, l_parts, *, masked):
-            """The online softmax of the split's tile ``step`` over its raw scores ``s``
-            (f32[score_shape]), then ``P V`` into the rescaled ``acc``; frees what the tile held.
-            Returns the carry ``(acc, m, l_parts)``."""
-            tile = tile_lo + step
-            slot = jax.lax.rem(step, num_stages)
-            if masked or alibi_smem is not None:  # the scores' positions
-                pos = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, score_shape,
-                                                                token_axis)
+                    plgpu.barrier_arrive(free_bars.at[slot])
             s = s * score_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
@@ -652,27 +609,10 @@ def _paged_decode_kernel(
                  jnp.full((q_rows,), -jnp.inf, jnp.float32),
                  jnp.zeros(score_shape, jnp.float32))
         my_tiles = (num_tiles - c + num_consumers - 1) // num_consumers  # >= 0
-        if scores_ahead:
-            # The first tile's scores before the loop (with no tile, a wgmma over a stage never
-            # filled and never waited for: its numbers are not used).
-            @pl.when(my_tiles > 0)
-            def _wait_first_k():
-                plgpu.barrier_wait(k_bars.at[jax.lax.rem(c, num_stages)])
-
-            def first_scores(acc_ref):
-                scores(acc_ref, c)
-                return acc_ref[...]
-
-            carry += (pl.run_scoped(first_scores, plgpu.ACC(score_shape, jnp.float32)),)
-
-            @pl.when(my_tiles > 0)
-            def _free_first_k():
-                free_k(c)
-
         # the split's first tile is this consumer's first step, its last one its last step
-        acc, m, l_parts, *_ = walk(my_tiles, tile_body, carry, first_owner=c == 0,
-                                   last_owner=c == jax.lax.rem(jnp.maximum(num_tiles - 1, 0),
-                                                               num_consumers))
+        acc, m, l_parts = walk(my_tiles, tile_body, carry, first_owner=c == 0,
+                               last_owner=c == jax.lax.rem(jnp.maximum(num_tiles - 1, 0),
+                                                           num_consumers))
         write_partials(c, acc, m, l_parts.sum(axis=token_axis), o_smem, ml_smem)
 
     def consume_nothing(c, k_bars, v_bars, free_bars, vconv_bars, vfree_bars):
@@ -833,7 +773,7 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
         num_consumers=config.num_consumers, queries_in_n=config.queries_in_n,
         fp8_k_in_registers=k_in_registers,
         fp8_v_in_producer=config.fp8_v_in_producer and compute_dtype != k_cache.dtype,
-        scores_ahead=config.scores_ahead, soft_cap=logits_soft_cap, window=sliding_window,
+        soft_cap=logits_soft_cap, window=sliding_window,
         compute_dtype=compute_dtype, producer_only=producer_only)
     optional = {"alibi": alibi, "scores": score_multipliers}  # inputs only some calls have
     present = [name for name, x in optional.items() if x is not None]
@@ -853,7 +793,6 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
             + ("_qn" if config.queries_in_n else "")
             + ("_kreg" if k_in_registers else "")
             + ("_vprod" if config.fp8_v_in_producer and compute_dtype != k_cache.dtype else "")
-            + ("_ahead" if config.scores_ahead else "")
             + ("_producer_only" if producer_only else ""))
     o, m, l = plgpu.kernel(
         kernel_body,
