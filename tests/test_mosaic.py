@@ -599,28 +599,6 @@ def test_auto_lowers_to_the_mosaic_kernel_where_the_table_picks_it(mosaic_measur
     assert mosaic_gpu.KERNEL_NAME in text and "xla.gpu.triton" not in text
 
 
-@pytest.mark.parametrize("config", [THREE_SPLITS, in_n(TWO_CONSUMERS)])
-def test_kv_heads_launched_fastest_changes_the_order_not_the_result(rng, config, monkeypatch):
-    """`mosaic_gpu.KV_HEADS_LAUNCHED_FASTEST` swaps the grid's first two axes (the kernel finds
-    its indices by name): the same output and lse bit for bit in interpret mode, another launch
-    grid lowered for CUDA; the default launches the batch fastest."""
-    from benchmarks.timing import kernel_variant
-    assert mosaic_gpu.KV_HEADS_LAUNCHED_FASTEST is False
-    paged = make_paged(rng, lens=[150, 0, 17], num_heads=8, num_kv_heads=2, head_dim=64,
-                       block_size=16, dtype="bfloat16")
-    monkeypatch.setattr(mosaic_gpu, "check_device", lambda interpret: None)
-    args = _abstract(head_dim=64)
-    lowered = lambda: jax.jit(functools.partial(  # noqa: E731
-        pp.decode, impl="mosaic", interpret=False, config=config)).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
-    default, default_text = mosaic(paged, config, return_lse=True), lowered()
-    with kernel_variant({(mosaic_gpu, "KV_HEADS_LAUNCHED_FASTEST"): True}):
-        swapped, swapped_text = mosaic(paged, config, return_lse=True), lowered()
-    for a, b in zip(default, swapped):
-        np.testing.assert_array_equal(a, b)
-    assert mosaic_gpu.KERNEL_NAME in swapped_text and swapped_text != default_text
-
-
 # --- lowered for CUDA (no GPU needed): Mosaic GPU's own lowering and layout inference run ---------
 
 LOWERINGS = {

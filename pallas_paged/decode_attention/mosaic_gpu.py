@@ -106,11 +106,6 @@ MOSAIC_OWN_SMEM_BYTES = 2048
 # Mosaic GPU's compiler parameters for the kernel: exact math (exp, division), as the parity
 # bounds were met with; `benchmarks.bench_mosaic --compiler-param` times others beside these.
 COMPILER_PARAMS = {"approx_math": False, "reduction_scratch_bytes": REDUCTION_SCRATCH_BYTES}
-# The launch order of the CTAs, as `pallas_triton.KV_HEADS_LAUNCHED_FASTEST` for the Triton
-# kernel: False, the grid is (batch, kv head, split); True, (kv head, batch, split), so the CTAs
-# of one sequence's kv heads, which read the same pages, are launched together. The kernel finds
-# its indices by the grid's names, so only the order changes.
-KV_HEADS_LAUNCHED_FASTEST: bool = False
 
 
 def v_converted_stages(num_consumers: int) -> int:
@@ -802,9 +797,8 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
     o, m, l = plgpu.kernel(
         kernel_body,
         out_type=out_type,
-        grid=(kvh, batch, splits) if KV_HEADS_LAUNCHED_FASTEST else (batch, kvh, splits),
-        grid_names=(("kv_head", "batch", "split") if KV_HEADS_LAUNCHED_FASTEST
-                    else ("batch", "kv_head", "split")),
+        grid=(batch, kvh, splits),
+        grid_names=("batch", "kv_head", "split"),
         num_threads=1 + config.num_consumers,
         thread_name="wg",
         kernel_name=name,
