@@ -21,10 +21,6 @@ those fields, row ``decode LABEL``; default shapes:
 - ``decode, K/V loads evict_first``: the default with `pallas_triton.KV_EVICTION_POLICY`
   ``"evict_first"`` (each cached row is read once: whether marking its L2 lines first to go
   keeps the table and the partial results in L2);
-- ``decode, kv heads launched fastest``: the default with
-  `pallas_triton.KV_HEADS_LAUNCHED_FASTEST` the other way (the programs of one sequence's kv
-  heads launched together, or those of one kv head across sequences): what the launch order
-  does to the pages' reads where the programs take several waves;
 - ``decode, merge in kernel``: ``DecodeConfig.merge_in_kernel`` (the last split of each row
   merges; one launch) at the default split count, half and twice it;
 - ``kernel only`` / ``merge only``: the Pallas kernel without the split merge, and the merge
@@ -357,10 +353,6 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
                   check=True, config=default)
     with kernel_variant({(decode_triton, "KV_EVICTION_POLICY"): "evict_first"}):
         timed("decode, K/V loads evict_first", decode_fn(default), check=True, config=default)
-    heads_fastest = not decode_triton.KV_HEADS_LAUNCHED_FASTEST
-    with kernel_variant({(decode_triton, "KV_HEADS_LAUNCHED_FASTEST"): heads_fastest}):
-        timed("decode, kv heads launched " + ("fastest" if heads_fastest else "after batch"),
-              decode_fn(default), check=True, config=default)
     timed("loop overhead (slices only)",
           lambda q, t: q.astype(jnp.float32) + t[:, :1, None].astype(jnp.float32), caches=())
     if default.num_splits > 1:

@@ -345,30 +345,6 @@ def test_kv_eviction_policy_reaches_the_compiled_kernel():
     assert _lowered_text("cuda", "pallas") == default
 
 
-@pytest.mark.parametrize("config", [pp.DecodeConfig(block_k=16, num_splits=2),
-                                    pp.DecodeConfig(block_k=16, num_splits=3, merge_in_kernel=True),
-                                    pp.DecodeConfig(block_k=16)],
-                         ids=["splits", "merge_in_kernel", "one_split"])
-def test_kv_heads_launched_fastest_changes_the_order_not_the_result(rng, config):
-    """`pallas_triton.KV_HEADS_LAUNCHED_FASTEST` (a probe of decode_anatomy) swaps the grid's
-    first two axes: the same output and lse bit for bit (interpret mode), a different launch grid
-    lowered for CUDA; the default launches the batch fastest."""
-    from benchmarks.timing import kernel_variant
-    assert decode_triton.KV_HEADS_LAUNCHED_FASTEST is False
-    paged = make_paged(rng, lens=[37, 0, 20], num_heads=6, num_kv_heads=3, head_dim=32,
-                       block_size=4, dtype="bfloat16")
-    fn = functools.partial(pp.decode, impl="pallas", interpret=True, config=config,
-                           return_lse=True)
-    default = [to_numpy(x) for x in fn(*paged.jax())]
-    default_text = _lowered_text("cuda", "pallas", config=config)
-    with kernel_variant({(decode_triton, "KV_HEADS_LAUNCHED_FASTEST"): True}):
-        swapped = [to_numpy(x) for x in fn(*paged.jax())]
-        swapped_text = _lowered_text("cuda", "pallas", config=config)
-    for a, b in zip(default, swapped):
-        np.testing.assert_array_equal(a, b)
-    assert "pallas_paged_decode" in swapped_text and swapped_text != default_text
-
-
 def test_compiled_triton_kernels_take_the_hardware_exp2():
     """Compiled, the online softmax of both Triton kernels (decode and ragged attention) is PTX's
     ``ex2.approx.ftz.f32`` (`pallas_triton.softmax_exp`); in interpret mode it is ``jnp.exp``,

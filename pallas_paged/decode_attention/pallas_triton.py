@@ -189,15 +189,6 @@ def column_parts(padded_dim: int, head_dim: int, *, fp8_pairs: bool):
 KV_EVICTION_POLICY: str | None = None
 
 
-# The decode kernel's launch order. CUDA launches the grid's first axis fastest: False, the grid
-# is (batch, kv head, split), so the programs launched together share a kv head across sequences;
-# True, (kv head, batch, split), so those of one sequence's kv heads are launched together and
-# read the same pages (the rows of one token's kv heads are neighbours in the cache) at about the
-# same time. Only the order of the programs changes, not what one computes. A probe of
-# `benchmarks.decode_anatomy` ("kv heads launched fastest") times the other order.
-KV_HEADS_LAUNCHED_FASTEST: bool = False
-
-
 def load_kv_parts(ref, slot, h, words, mask, *, fp8_pairs: bool, interpret: bool):
     """A tile of K or V rows (slots ``slot`` i32[Tk] of kv head ``h`` in the `slot_major` cache
     ``ref``) as a tuple of its `column_parts` tiles [Tk, Dq]: with ``fp8_pairs`` the even and the
@@ -344,13 +335,10 @@ def _paged_decode_kernel(
     merge_in_kernel: bool,
     fp8_v_at_load: bool,
     fp8_pairs: bool,
-    heads_fastest: bool,
     interpret: bool,
 ):
     del arrivals_in_ref  # aliased to the arrivals output, which the kernel updates
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    if heads_fastest:  # the grid is (kv head, batch, split): `KV_HEADS_LAUNCHED_FASTEST`
-        b, h = h, b
     _, _, group, head_dim = q_ref.shape
     num_slots = k_ref.shape[0]
     num_blocks = num_slots // block_size
@@ -637,7 +625,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         num_splits=splits, padded_group=padded_group, padded_dim=padded_dim,
         compute_dtype=compute_dtype, soft_cap=logits_soft_cap, window=sliding_window,
         merge_in_kernel=merge_in_kernel, fp8_v_at_load=fp8_v_at_load, fp8_pairs=fp8_pairs,
-        heads_fastest=KV_HEADS_LAUNCHED_FASTEST, interpret=interpret)
+        interpret=interpret)
     scales = None if k_scale is None else jnp.stack([k_scale, v_scale]).astype(jnp.float32)
     finals = (jax.ShapeDtypeStruct((batch, kvh, group, head_dim), q.dtype),
               jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32))
@@ -661,7 +649,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
             + ("_vload" if fp8_v_at_load else "") + ("_pairs" if fp8_pairs else ""))
     outs = pl.pallas_call(
         kernel,
-        grid=(kvh, batch, splits) if KV_HEADS_LAUNCHED_FASTEST else (batch, kvh, splits),
+        grid=(batch, kvh, splits),
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
