@@ -1073,3 +1073,20 @@ def test_profile_kernel_reads_mosaic_config_labels():
         with pytest.raises(SystemExit) as exit_info:
             profile_kernel.main(["--shape", "small_b2_ctx64", *argv])
         assert exit_info.value.code == 2
+
+
+def test_batch_waves_smoke_checks_and_times_each_config(tmp_path):
+    from benchmarks import batch_waves
+
+    path = tmp_path / "waves.json"
+    assert batch_waves.main(["--smoke", "fp8:3=s2", "bfloat16:2:64", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["dtype"], r["batch"], r["picked"]) for r in rows] == [
+        ("float8_e4m3fn", 3, True), ("float8_e4m3fn", 3, False), ("bfloat16", 2, True)]
+    assert rows[1]["config"] == rows[0]["config"].replace("/s1/", "/s2/")
+    assert rows[1]["programs"] == 2 * rows[0]["programs"] == 3 * 2 * 2  # batch, kv heads, splits
+    assert all(r["status"] == "ok" and r["rel_err"] < 1e-2 and r["median_us"] > 0 for r in rows)
+    for bad in ("fp8:x", "int8:4", "fp8:4=zz2"):
+        with pytest.raises(SystemExit) as e:
+            batch_waves.main(["--smoke", bad])
+        assert e.value.code == 2
