@@ -410,6 +410,11 @@ def _decode_shape(batch, capacity, cache_dtype, *, num_kv_heads=8, group=4, head
                                                 num_stages=5, fp8_pairs=True)),
     (8, 16384, "float8_e4m3fn", pp.DecodeConfig(block_k=128, num_splits=4, num_warps=4,
                                                 num_stages=5, fp8_pairs=True)),
+    (48, 4096, "float8_e4m3fn", pp.DecodeConfig(block_k=128, num_splits=1, num_warps=4,
+                                                num_stages=5, fp8_pairs=True)),
+    # fp8 past three programs per multiprocessor (396 on 132 SMs): half the tile, two warps
+    (64, 4096, "float8_e4m3fn", pp.DecodeConfig(block_k=64, num_splits=1, num_warps=2,
+                                                num_stages=5, fp8_pairs=True)),
 ])
 def test_heuristic_config_of_the_measured_shapes(batch, capacity, cache_dtype, expected):
     from pallas_paged.decode_attention.configs import get_heuristic_config

@@ -95,6 +95,13 @@ class DecodeShape:
     cache_dtype: str    # e.g. "bfloat16"
 
 
+# The programs of the fp8 heuristic's config (128-token tiles of D=128, 4 warps, rings two tiles
+# deep) one multiprocessor holds at once: three, by registers (`python -m benchmarks.triton_sass
+# --shape fp8_b32_ctx4096 --config bk128/s1/w4/st5/pr1`; 64-token tiles with 2 warps: five, by
+# shared memory).
+FP8_PROGRAMS_PER_SM = 3
+
+
 def _num_splits(shape: DecodeShape, block_k: int, sm_count: int,
                 programs_per_sm: int) -> int:
     """About ``programs_per_sm`` programs per multiprocessor, without splits shorter than 4 tiles.
@@ -120,7 +127,11 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
     pairs (``fp8_pairs``). On the H200 that layout was the fastest fp8 config at both measured
     shapes (B=32 ctx=4096: 74.0 us against 78.7 for the tuned entry of 64-token tiles and 2
     splits; B=8 ctx=16384: 76.6 against 77.4 us; 113-125 us for this heuristic's config before,
-    with rings one tile deep and 8-bit dot operands; docs/BENCHMARKS.md).
+    with rings one tile deep and 8-bit dot operands; docs/BENCHMARKS.md). Those programs fit three
+    to a multiprocessor (`FP8_PROGRAMS_PER_SM`); where a batch has more, half the tile and two
+    warps, about five to a multiprocessor (fp8, B=64 ctx=4096: 139.3 us against 170.4, the
+    second wave of the larger programs streaming alone; docs/BENCHMARKS.md, "A batch past a
+    wave").
     """
     itemsize = jnp.dtype(shape.cache_dtype).itemsize
     fp8 = itemsize == 1
@@ -129,10 +140,17 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
     # so that several programs share a multiprocessor.
     block_k = max(16, min(128, (16 * 1024) // (padded_dim * itemsize)))
     block_k = min(block_k, max(16, next_power_of_2(shape.capacity)))
+    num_warps = 4 if padded_dim <= 128 else 8
+    splits = _num_splits(shape, block_k, sm_count, programs_per_sm=2 if fp8 else 4)
+    programs = max(shape.batch * shape.num_kv_heads, 1) * splits
+    if fp8 and num_warps == 4 and block_k >= 32 and programs > FP8_PROGRAMS_PER_SM * sm_count:
+        # More programs than one wave holds: half the tile and half the warps, so about five
+        # programs share a multiprocessor and the batch fits one wave again (one split here).
+        block_k, num_warps = block_k // 2, 2
     return DecodeConfig(
         block_k=block_k,
-        num_splits=_num_splits(shape, block_k, sm_count, programs_per_sm=2 if fp8 else 4),
-        num_warps=4 if padded_dim <= 128 else 8,
+        num_splits=splits,
+        num_warps=num_warps,
         num_stages=5 if fp8 else 2,
         fp8_pairs=fp8,
     )
