@@ -412,9 +412,18 @@ def _decode_shape(batch, capacity, cache_dtype, *, num_kv_heads=8, group=4, head
                                                 num_stages=5, fp8_pairs=True)),
     (48, 4096, "float8_e4m3fn", pp.DecodeConfig(block_k=128, num_splits=1, num_warps=4,
                                                 num_stages=5, fp8_pairs=True)),
-    # fp8 past three programs per multiprocessor (396 on 132 SMs): half the tile, two warps
+    # fp8 just past three programs per multiprocessor (396 on 132 SMs): half the tile, two warps
+    (56, 4096, "float8_e4m3fn", pp.DecodeConfig(block_k=64, num_splits=1, num_warps=2,
+                                                num_stages=5, fp8_pairs=True)),
     (64, 4096, "float8_e4m3fn", pp.DecodeConfig(block_k=64, num_splits=1, num_warps=2,
                                                 num_stages=5, fp8_pairs=True)),
+    # ... but not where the larger programs fill their waves better
+    (96, 4096, "float8_e4m3fn", pp.DecodeConfig(block_k=128, num_splits=1, num_warps=4,
+                                                num_stages=5, fp8_pairs=True)),
+    (128, 4096, "float8_e4m3fn", pp.DecodeConfig(block_k=128, num_splits=1, num_warps=4,
+                                                 num_stages=5, fp8_pairs=True)),
+    (256, 1024, "float8_e4m3fn", pp.DecodeConfig(block_k=128, num_splits=1, num_warps=4,
+                                                 num_stages=5, fp8_pairs=True)),
 ])
 def test_heuristic_config_of_the_measured_shapes(batch, capacity, cache_dtype, expected):
     from pallas_paged.decode_attention.configs import get_heuristic_config

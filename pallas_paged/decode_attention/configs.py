@@ -96,10 +96,21 @@ class DecodeShape:
 
 
 # The programs of the fp8 heuristic's config (128-token tiles of D=128, 4 warps, rings two tiles
-# deep) one multiprocessor holds at once: three, by registers (`python -m benchmarks.triton_sass
-# --shape fp8_b32_ctx4096 --config bk128/s1/w4/st5/pr1`; 64-token tiles with 2 warps: five, by
-# shared memory).
+# deep) one multiprocessor holds at once: three, by registers; with 64-token tiles and 2 warps,
+# five, by shared memory (`python -m benchmarks.triton_sass --shape fp8_b32_ctx4096 --config
+# bk128/s1/w4/st5/pr1 --config bk64/s1/w2/st5/pr1`).
 FP8_PROGRAMS_PER_SM = 3
+FP8_SMALL_PROGRAMS_PER_SM = 5
+
+
+def _wave_fill(programs: int, slots: int) -> float:
+    """How full the waves of ``programs`` equal programs are when ``slots`` run at once: 1.0 for
+    one wave (whatever its size: a partial wave of several programs per multiprocessor still
+    streams at the device's rate), else the mean fill of the waves, whose last one streams
+    with too few programs (fp8 decode, 56 sequences: 0.63 of copy bandwidth in 1.13 waves of
+    the larger programs, 0.88 in one of the smaller; docs/BENCHMARKS.md)."""
+    waves = programs / slots
+    return 1.0 if waves <= 1 else waves / math.ceil(waves)
 
 
 def _num_splits(shape: DecodeShape, block_k: int, sm_count: int,
@@ -128,10 +139,12 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
     shapes (B=32 ctx=4096: 74.0 us against 78.7 for the tuned entry of 64-token tiles and 2
     splits; B=8 ctx=16384: 76.6 against 77.4 us; 113-125 us for this heuristic's config before,
     with rings one tile deep and 8-bit dot operands; docs/BENCHMARKS.md). Those programs fit three
-    to a multiprocessor (`FP8_PROGRAMS_PER_SM`); where a batch has more, half the tile and two
-    warps, about five to a multiprocessor (fp8, B=64 ctx=4096: 139.3 us against 170.4, the
-    second wave of the larger programs streaming alone; docs/BENCHMARKS.md, "A batch past a
-    wave").
+    to a multiprocessor (`FP8_PROGRAMS_PER_SM`); where their waves would be filled worse than
+    those of programs of half the tile and two warps (five to a multiprocessor, `_wave_fill`),
+    the heuristic takes the smaller ones: fp8 at ctx=4096, B=56 and B=64, 0.88 and 0.87 of copy
+    against 0.63 and 0.69 (the larger programs' second wave streaming nearly alone); at B=96,
+    128 and 256 (ctx=1024) the larger programs fill their waves better and stay (0.85, 0.85,
+    0.80 against 0.65, 0.80, 0.77; docs/BENCHMARKS.md, "A batch past a wave").
     """
     itemsize = jnp.dtype(shape.cache_dtype).itemsize
     fp8 = itemsize == 1
@@ -143,9 +156,12 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
     num_warps = 4 if padded_dim <= 128 else 8
     splits = _num_splits(shape, block_k, sm_count, programs_per_sm=2 if fp8 else 4)
     programs = max(shape.batch * shape.num_kv_heads, 1) * splits
-    if fp8 and num_warps == 4 and block_k >= 32 and programs > FP8_PROGRAMS_PER_SM * sm_count:
-        # More programs than one wave holds: half the tile and half the warps, so about five
-        # programs share a multiprocessor and the batch fits one wave again (one split here).
+    if fp8 and num_warps == 4 and block_k >= 32 and (
+            _wave_fill(programs, FP8_PROGRAMS_PER_SM * sm_count)
+            < _wave_fill(programs, FP8_SMALL_PROGRAMS_PER_SM * sm_count)):
+        # The programs' last wave would run nearly empty (the batch just past what three per
+        # multiprocessor hold): half the tile and half the warps, about five per multiprocessor,
+        # whose waves the batch fills better (one split here).
         block_k, num_warps = block_k // 2, 2
     return DecodeConfig(
         block_k=block_k,
