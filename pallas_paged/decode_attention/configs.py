@@ -144,7 +144,8 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
     the heuristic takes the smaller ones: fp8 at ctx=4096, B=56 and B=64, 0.88 and 0.87 of copy
     against 0.63 and 0.69 (the larger programs' second wave streaming nearly alone); at B=96,
     128 and 256 (ctx=1024) the larger programs fill their waves better and stay (0.85, 0.85,
-    0.80 against 0.65, 0.80, 0.77; docs/BENCHMARKS.md, "A batch past a wave").
+    0.80 against 0.65, 0.80, 0.77; checked at B=50, 72, 80 and 83, the range's edges, each
+    faster picked; docs/BENCHMARKS.md, "A batch past a wave").
     """
     itemsize = jnp.dtype(shape.cache_dtype).itemsize
     fp8 = itemsize == 1
