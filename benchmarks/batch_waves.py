@@ -5,7 +5,7 @@ batch's programs overflow a whole number of waves (``batch * kv_heads * splits``
 programs the device runs at once), the last programs stream alone after the others. This times
 the Triton kernel (``impl="pallas"``) at the batches asked for, bf16 or fp8, H=32, KVH=8, D=128,
 block_size=16, every sequence at the same context; each row is checked against ``impl="xla"``
-first (relative L2 error, `benchmarks.bench.REL_TOL`) and timed as `benchmarks.bench` times a
+first (`benchmarks.bench.compare`) and timed as `benchmarks.bench` times a
 shape in dispatch mode (`benchmarks.timing.measure`), as a fraction of the same run's copy
 bandwidth (K/V bytes read).
 
@@ -26,10 +26,9 @@ import json
 import sys
 
 import jax
-import numpy as np
 
 import pallas_paged as pp
-from benchmarks.bench import REL_TOL, Settings, config_label, parse_decode_config, smoke_settings
+from benchmarks.bench import Settings, compare, config_label, parse_decode_config, smoke_settings
 from benchmarks.shapes import FP8, DecodeBenchShape, make_decode_inputs
 from benchmarks.timing import jsonable, measure, measure_copy_bandwidth
 from pallas_paged.decode_attention.api import picked_config
@@ -70,18 +69,18 @@ def run_case(case: Case, s: Settings, copy_tbps: float, smoke: bool) -> list[dic
     k_scale, v_scale = shape.scales
     nbytes = inputs.tokens_read() * shape.kv_bytes_per_token
     picked = picked_config(args[0], args[1], args[3], impl="pallas")
-    ref = np.asarray(pp.decode(*args, impl="xla", k_scale=k_scale, v_scale=v_scale), np.float32)
+    ref = pp.decode(*args, impl="xla", k_scale=k_scale, v_scale=v_scale)
     rows = []
     for fields in ({},) + case.overrides:
         config = dataclasses.replace(picked, **fields)
         fn = jax.jit(functools.partial(pp.decode, k_scale=k_scale, v_scale=v_scale, config=config,
                                        interpret=True if smoke else None))
-        out = np.asarray(jax.block_until_ready(fn(*args)), np.float32)
-        rel_err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+        check = compare(jax.block_until_ready(fn(*args)), ref)
+        rel_err = check["rel_err"]
         row = dict(dtype=case.dtype, batch=case.batch, context=shape.context,
                    config=config_label(config), picked=not fields,
                    programs=case.batch * shape.num_kv_heads * config.num_splits, rel_err=rel_err)
-        if not np.isfinite(out).all() or rel_err > REL_TOL:
+        if not check["correct"]:
             row["status"] = "WRONG"
         else:
             t = measure(lambda: fn(*args), 1, s)

@@ -400,30 +400,28 @@ def _decode_shape(batch, capacity, cache_dtype, *, num_kv_heads=8, group=4, head
                        block_size=block_size, capacity=capacity, cache_dtype=cache_dtype)
 
 
+def _fp8_config(block_k, num_splits=1, num_warps=4):
+    """The fp8 heuristic's config shape: column pairs, rings two tiles deep."""
+    return pp.DecodeConfig(block_k=block_k, num_splits=num_splits, num_warps=num_warps,
+                           num_stages=5, fp8_pairs=True)
+
+
 @pytest.mark.parametrize("batch,capacity,cache_dtype,expected", [
     # 16-bit caches: rings one tile deep, about four programs per multiprocessor
     (32, 4096, "bfloat16", pp.DecodeConfig(block_k=64, num_splits=2, num_warps=4, num_stages=2)),
     (1, 32768, "bfloat16", pp.DecodeConfig(block_k=64, num_splits=64, num_warps=4, num_stages=2)),
     (128, 1024, "float16", pp.DecodeConfig(block_k=64, num_splits=1, num_warps=4, num_stages=2)),
     # fp8 caches: column pairs, rings two tiles deep, about two programs per multiprocessor
-    (32, 4096, "float8_e4m3fn", pp.DecodeConfig(block_k=128, num_splits=1, num_warps=4,
-                                                num_stages=5, fp8_pairs=True)),
-    (8, 16384, "float8_e4m3fn", pp.DecodeConfig(block_k=128, num_splits=4, num_warps=4,
-                                                num_stages=5, fp8_pairs=True)),
-    (48, 4096, "float8_e4m3fn", pp.DecodeConfig(block_k=128, num_splits=1, num_warps=4,
-                                                num_stages=5, fp8_pairs=True)),
+    (32, 4096, "float8_e4m3fn", _fp8_config(128)),
+    (8, 16384, "float8_e4m3fn", _fp8_config(128, num_splits=4)),
+    (48, 4096, "float8_e4m3fn", _fp8_config(128)),
     # fp8 just past three programs per multiprocessor (396 on 132 SMs): half the tile, two warps
-    (56, 4096, "float8_e4m3fn", pp.DecodeConfig(block_k=64, num_splits=1, num_warps=2,
-                                                num_stages=5, fp8_pairs=True)),
-    (64, 4096, "float8_e4m3fn", pp.DecodeConfig(block_k=64, num_splits=1, num_warps=2,
-                                                num_stages=5, fp8_pairs=True)),
+    (56, 4096, "float8_e4m3fn", _fp8_config(64, num_warps=2)),
+    (64, 4096, "float8_e4m3fn", _fp8_config(64, num_warps=2)),
     # ... but not where the larger programs fill their waves better
-    (96, 4096, "float8_e4m3fn", pp.DecodeConfig(block_k=128, num_splits=1, num_warps=4,
-                                                num_stages=5, fp8_pairs=True)),
-    (128, 4096, "float8_e4m3fn", pp.DecodeConfig(block_k=128, num_splits=1, num_warps=4,
-                                                 num_stages=5, fp8_pairs=True)),
-    (256, 1024, "float8_e4m3fn", pp.DecodeConfig(block_k=128, num_splits=1, num_warps=4,
-                                                 num_stages=5, fp8_pairs=True)),
+    (96, 4096, "float8_e4m3fn", _fp8_config(128)),
+    (128, 4096, "float8_e4m3fn", _fp8_config(128)),
+    (256, 1024, "float8_e4m3fn", _fp8_config(128)),
 ])
 def test_heuristic_config_of_the_measured_shapes(batch, capacity, cache_dtype, expected):
     from pallas_paged.decode_attention.configs import get_heuristic_config
