@@ -7,6 +7,7 @@ token of the batch holds ``fill`` (NaN by default); table tails hold garbage ids
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -95,3 +96,15 @@ def make_paged(rng: np.random.Generator, *, lens, num_heads=4, num_kv_heads=2, h
     return Paged(q=q, k_cache=flat[0].reshape(shape).astype(cache_dtype),
                  v_cache=flat[1].reshape(shape).astype(cache_dtype), block_tables=tables,
                  context_lens=lens, valid_slots=valid)
+
+
+# StableHLO ops that cost no launch of their own on a GPU: views of an operand, scalars, the kernels'
+# custom calls themselves, the module's sharding mesh.
+LAUNCH_FREE_OPS = frozenset({"reshape", "bitcast_convert", "constant", "custom_call", "mesh"})
+
+
+def launched_ops(lowered_text: str) -> set[str]:
+    """The StableHLO ops of a lowered program (``.lower(...).as_text()``) outside
+    `LAUNCH_FREE_OPS`: XLA computations of the program's own, each one more launch beside its
+    kernels on a GPU."""
+    return set(re.findall(r"(?<!#)stablehlo\.(\w+)", lowered_text)) - LAUNCH_FREE_OPS

@@ -19,7 +19,7 @@ import pallas_paged as pp
 import torch_ref
 from pallas_paged.decode_attention import pallas_triton as decode_triton
 from oracle import oracle_paged_attention
-from paged_inputs import make_paged, to_numpy, to_torch
+from paged_inputs import launched_ops, make_paged, to_numpy, to_torch
 
 IMPLS = ("xla", "pallas")
 # Max abs error against torch_ref on the same inputs, outputs of order 1. bf16/fp16: one rounding
@@ -312,6 +312,18 @@ def test_pallas_impl_lowers_to_the_triton_kernel():
     text = _lowered_text("cuda", "pallas")
     assert "__gpu$xla.gpu.triton" in text
     assert "pallas_paged_decode" in text
+
+
+@pytest.mark.parametrize("config", [None, pp.DecodeConfig(block_k=32, num_splits=2)], ids=str)
+@pytest.mark.parametrize("fp8_cache", [False, True])
+def test_the_triton_decode_launches_its_kernels_alone(fp8_cache, config):
+    """Lowered for CUDA, decode(impl="pallas") is its kernels (the decode kernel, and the merge
+    kernel with splits) and views of its operands, nothing XLA computes itself: each such op is
+    one more launch per call on a GPU (stacking the two fp8 scales into one operand was one)."""
+    options = dict(k_scale=0.5, v_scale=0.25, cache_dtype=jnp.float8_e4m3fn) if fp8_cache else {}
+    text = _lowered_text("cuda", "pallas", config=config, **options)
+    assert launched_ops(text) == set()
+    assert text.count("stablehlo.custom_call") == (1 if config is None else 2)
 
 
 @pytest.mark.parametrize("q_dtype", ["float32", "bfloat16", "float16"])

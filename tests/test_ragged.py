@@ -21,7 +21,8 @@ import torch
 import pallas_paged as pp
 import torch_ref
 from oracle import oracle_ragged_attention
-from paged_inputs import make_paged, to_numpy, to_torch
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+from paged_inputs import launched_ops, make_paged, to_numpy, to_torch
 from pallas_paged.ragged_attention.pallas_triton import interleave_short_programs, kv_tile_plan
 from test_decode import ATOL, IMPLS
 
@@ -640,3 +641,26 @@ def test_benchmark_smoke_runs(capsys):
     assert status == 0, printed
     assert "| smoke_decode_b4_ctx40 | default:" in printed
     assert "paged_attention / decode time" in printed
+
+
+def test_the_fp8_scales_reach_the_kernel_as_operands():
+    """Lowered for CUDA (no GPU needed), paged_attention(impl="pallas") with an fp8 cache adds no
+    XLA op for its scales over the bf16 call (stacking the two into one operand was one, one more
+    launch per call): the two programs launch the same XLA ops beside the kernel (those that
+    sanitize ``query_start_loc``)."""
+    def lowered(cache_dtype, **scales):
+        q = jax.ShapeDtypeStruct((7, 8, 64), jnp.bfloat16)
+        cache = jax.ShapeDtypeStruct((40, 16, 2, 64), cache_dtype)
+        tables = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+        lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+        starts = jax.ShapeDtypeStruct((3,), jnp.int32)
+        fn = functools.partial(pp.paged_attention, impl="pallas", interpret=False,
+                               config=pp.AttentionConfig(num_splits=1), **scales)
+        gpu = AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
+        with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=gpu)):
+            return jax.jit(fn).trace(q, cache, cache, tables, lens, starts).lower(
+                lowering_platforms=("cuda",)).as_text()
+
+    fp8 = lowered(jnp.float8_e4m3fn, k_scale=0.5, v_scale=0.25)
+    assert "pallas_paged_ragged" in fp8
+    assert launched_ops(fp8) == launched_ops(lowered(jnp.bfloat16))

@@ -22,7 +22,7 @@ import pallas_paged as pp
 import torch_ref
 from pallas_paged._platform import quiet_triton_deprecation, resolve_interpret
 from pallas_paged.cache_write.api import _write_kv_jit
-from paged_inputs import NP_DTYPES, bits, to_torch
+from paged_inputs import NP_DTYPES, bits, launched_ops, to_torch
 
 IMPLS = ("xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
@@ -223,6 +223,8 @@ def test_fp8_pallas_lowers_to_exact_gpu_arithmetic(token_dtype):
         assert banned not in text, banned
     assert "pallas_paged_write_kv" in plain
     assert "div.rn.f32" not in plain and "fp_to_fp" not in plain
+    # the kernel alone, with the scales as operands: no XLA op of its own (one more launch)
+    assert launched_ops(text) == set() and launched_ops(plain) == set()
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -98,7 +98,7 @@ def _write_kv_jit(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, *, imp
     """`write_kv` after validation: ``k_scale`` / ``v_scale`` are ``f32[]`` or None.
 
     For fp8 caches ``impl="xla"`` quantizes the tokens (`quantize_fp8`) before its scatter, while
-    ``impl="pallas"`` hands the kernel the scales as one ``f32[2]`` operand and the kernel
+    ``impl="pallas"`` hands the kernel the scales as two ``f32[1]`` operands and the kernel
     quantizes the rows it loads: no token-sized temporary exists outside it.
     """
     num_blocks, block_size, kvh, d = k_cache.shape
@@ -116,7 +116,7 @@ def _write_kv_jit(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, *, imp
             k_rows, v_rows = quantize_fp8(k_rows, k_scale), quantize_fp8(v_rows, v_scale)
         k_flat, v_flat = write_xla(k_flat, v_flat, k_rows, v_rows, slots)
     else:
-        scales = jnp.stack([k_scale, v_scale]).astype(jnp.float32) if fp8 else None  # f32[2]
-        k_flat, v_flat = write_pallas(k_flat, v_flat, k_rows, v_rows, slots, scales=scales,
-                                      interpret=interpret)
+        scales = dict(k_scale=k_scale, v_scale=v_scale) if fp8 else {}
+        k_flat, v_flat = write_pallas(k_flat, v_flat, k_rows, v_rows, slots, interpret=interpret,
+                                      **scales)
     return k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape)

@@ -26,6 +26,18 @@ def scale_operand(scale):
     return jnp.reshape(scale, ())
 
 
+def kernel_scale_operands(k_scale, v_scale):
+    """``(k_scale, v_scale)`` (``f32[]`` operands, or None) as the two ``f32[1]`` operands of a
+    Pallas kernel, or ``(None, None)``.
+
+    Two reshapes, which cost nothing: stacking the scales into one array would be an XLA kernel of
+    its own, launched before the attention or write kernel on every call.
+    """
+    if k_scale is None:
+        return None, None
+    return tuple(jnp.reshape(s, (1,)).astype(jnp.float32) for s in (k_scale, v_scale))
+
+
 def quantize_fp8(x: jax.Array, scale) -> jax.Array:
     """``clamp(x / scale, -448, 448)`` in fp32, cast to float8_e4m3fn (round to nearest even).
 

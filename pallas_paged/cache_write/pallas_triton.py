@@ -5,7 +5,7 @@ the cache buffers (``input_output_aliases``) so the untouched part of the cache 
 
 For float8_e4m3fn caches the program quantizes the rows it has loaded before storing them:
 ``clamp(x / scale, -448, 448)`` rounded to nearest even, bit-identical to `torch_ref.write_kv`. The
-scales are an ``f32[2]`` operand (one compiled program serves every scale) and nothing of the
+scales are two ``f32[1]`` operands (one compiled program serves every scale) and nothing of the
 tokens' or the cache's size is built outside the kernel.
 """
 
@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_paged._platform import next_power_of_2
-from pallas_paged.cache_write.fp8 import clamp_to_fp8_range, divide_rn
+from pallas_paged.cache_write.fp8 import clamp_to_fp8_range, divide_rn, kernel_scale_operands
 
 
 def _divide_rn(x, scale, *, interpret: bool):
@@ -62,10 +62,11 @@ def _quantize_fp8(rows, scale, *, interpret: bool):
     return clamp_to_fp8_range(scaled).astype(jnp.float8_e4m3fn)
 
 
-def _write_rows(slots_ref, scales_ref, k_ref, v_ref, k_cache_ref, v_cache_ref, *,
+def _write_rows(slots_ref, k_scale_ref, v_scale_ref, k_ref, v_ref, k_cache_ref, v_cache_ref, *,
                 tokens_per_program: int, row_chunk: int, interpret: bool):
-    """The body of both kernels: load a ``[Tw, C]`` tile of each of k and v, quantize it when
-    ``scales_ref`` is given, store it at the tokens' slots (masked)."""
+    """The body of both kernels: load a ``[Tw, C]`` tile of each of k and v, quantize it with
+    ``k_scale_ref`` / ``v_scale_ref`` when they are given, store it at the tokens' slots
+    (masked)."""
     num_tokens, row = k_ref.shape
     num_slots = k_cache_ref.shape[0]
     tokens = pl.program_id(0) * tokens_per_program + jnp.arange(tokens_per_program)  # [Tw]
@@ -78,10 +79,11 @@ def _write_rows(slots_ref, scales_ref, k_ref, v_ref, k_cache_ref, v_cache_ref, *
     safe_tokens = jnp.where(in_batch, tokens, 0)
     cols = pl.program_id(1) * row_chunk + jnp.arange(row_chunk)  # [C]
     mask = keep[:, None] & (cols < row)[None, :]
-    for i, (src, dst) in enumerate(((k_ref, k_cache_ref), (v_ref, v_cache_ref))):
+    for src, dst, scale_ref in ((k_ref, k_cache_ref, k_scale_ref),
+                                (v_ref, v_cache_ref, v_scale_ref)):
         rows = plgpu.load(src.at[safe_tokens[:, None], cols[None, :]], mask=mask)  # [Tw, C]
-        if scales_ref is not None:
-            rows = _quantize_fp8(rows, scales_ref[i], interpret=interpret)
+        if scale_ref is not None:
+            rows = _quantize_fp8(rows, scale_ref[0], interpret=interpret)
         plgpu.store(dst.at[safe_slots[:, None], cols[None, :]], rows, mask=mask)
 
 
@@ -99,13 +101,14 @@ def _write_rows_kernel(
 ):
     """Caches of the tokens' dtype: the rows are stored as loaded."""
     del k_cache_in, v_cache_in  # the same buffers as the outputs
-    _write_rows(slots_ref, None, k_ref, v_ref, k_cache_ref, v_cache_ref,
+    _write_rows(slots_ref, None, None, k_ref, v_ref, k_cache_ref, v_cache_ref,
                 tokens_per_program=tokens_per_program, row_chunk=row_chunk, interpret=False)
 
 
 def _write_rows_fp8_kernel(
     slots_ref,    # i32[num_tokens]
-    scales_ref,   # f32[2]                     (k_scale, v_scale)
+    k_scale_ref,  # f32[1]                     k_scale
+    v_scale_ref,  # f32[1]                     v_scale
     k_ref,        # [num_tokens, row]          row = num_kv_heads * head_dim; f32 / bf16 / f16
     v_ref,        # [num_tokens, row]          f32 / bf16 / f16
     k_cache_in,   # f8e4m3fn[num_slots, row]   aliased to k_cache_ref
@@ -117,20 +120,21 @@ def _write_rows_fp8_kernel(
     row_chunk: int,
     interpret: bool,
 ):
-    """float8_e4m3fn caches: the rows are quantized with ``scales_ref`` between load and store."""
+    """float8_e4m3fn caches: the rows are quantized with the scales between load and store."""
     del k_cache_in, v_cache_in  # the same buffers as the outputs
-    _write_rows(slots_ref, scales_ref, k_ref, v_ref, k_cache_ref, v_cache_ref,
+    _write_rows(slots_ref, k_scale_ref, v_scale_ref, k_ref, v_ref, k_cache_ref, v_cache_ref,
                 tokens_per_program=tokens_per_program, row_chunk=row_chunk, interpret=interpret)
 
 
-def write_pallas(k_flat, v_flat, k_rows, v_rows, slots, *, scales=None, interpret: bool,
+def write_pallas(k_flat, v_flat, k_rows, v_rows, slots, *, k_scale=None, v_scale=None,
+                 interpret: bool,
                   elements_per_program: int = 4096, num_warps: int = 8):
     """Write ``k_rows`` / ``v_rows`` ``[num_tokens, row]`` at ``slots`` of the flat caches
     ``[num_slots, row]``; return the caches (the same buffers, aliased).
 
     One program copies ``elements_per_program / row_chunk`` tokens' rows (a chunk of each). With
-    ``scales`` (``f32[2]``, ``(k_scale, v_scale)``; required for, and only for, float8_e4m3fn
-    caches) the rows, of any float dtype, are quantized inside the kernel; otherwise they are in
+    ``k_scale`` and ``v_scale`` (``f32[]`` each; required for, and only for, float8_e4m3fn
+    caches; two ``f32[1]`` operands of the kernel, `kernel_scale_operands`) the rows, of any float dtype, are quantized inside the kernel; otherwise they are in
     the cache dtype and copied as they are.
 
     The defaults were the fastest of 8 variants for a 16K-token bf16 write on the H200
@@ -141,12 +145,14 @@ def write_pallas(k_flat, v_flat, k_rows, v_rows, slots, *, scales=None, interpre
     tokens_per_program = max(1, min(64, elements_per_program // row_chunk))
     grid = (pl.cdiv(max(num_tokens, 1), tokens_per_program), pl.cdiv(row, row_chunk))
     tiling = dict(tokens_per_program=tokens_per_program, row_chunk=row_chunk)
-    if scales is None:
+    if k_scale is None:
         kernel = functools.partial(_write_rows_kernel, **tiling)
         operands, first_cache = (slots, k_rows, v_rows, k_flat, v_flat), 3
     else:
         kernel = functools.partial(_write_rows_fp8_kernel, interpret=interpret, **tiling)
-        operands, first_cache = (slots, scales, k_rows, v_rows, k_flat, v_flat), 4
+        operands = (slots, *kernel_scale_operands(k_scale, v_scale), k_rows, v_rows, k_flat,
+                    v_flat)
+        first_cache = 5
     return pl.pallas_call(
         kernel,
         grid=grid,

@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_paged._platform import next_power_of_2
+from pallas_paged.cache_write.fp8 import kernel_scale_operands
 from pallas_paged.decode_attention.configs import DecodeConfig
 
 MIN_DOT_ROWS = 16  # the smallest M of a Triton dot
@@ -318,7 +319,8 @@ def _paged_decode_kernel(
     v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (fp8_pairs: as k_ref)
     alibi_ref,   # f32[num_kv_heads, group] or None
     sinks_ref,   # f32[num_kv_heads, group] or None
-    scales_ref,  # f32[2] = (k_scale, v_scale) of an fp8 cache, or None
+    k_scale_ref,  # f32[1], the k_scale of an fp8 cache, or None
+    v_scale_ref,  # f32[1], its v_scale, or None
     arrivals_in_ref,  # i32[batch, kvh] zeros (merge_in_kernel; the buffer of the last output), or None
     *out_refs,   # split:  o f32[batch, kvh, splits, group, head_dim], m, l f32[batch, kvh, splits, group]
                  #         (merge_in_kernel: then out, lse as single, then arrivals i32[batch, kvh])
@@ -356,7 +358,7 @@ def _paged_decode_kernel(
     qs = tuple(plgpu.load(q_ref.at[b, h, rows[:, None], c[None, :]],
                           mask=row_ok[:, None] & word_ok[None, :], other=0)
                for c in part_cols)  # [Gp, Dq] each
-    score_scale = scale if scales_ref is None else scales_ref[0] * scale
+    score_scale = scale if k_scale_ref is None else k_scale_ref[0] * scale
     qs, score_scale = query_for_dots(qs, score_scale, compute_dtype)
     if alibi_ref is not None:
         slopes = plgpu.load(alibi_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gp]
@@ -395,8 +397,8 @@ def _paged_decode_kernel(
              jnp.full((padded_group,), -jnp.inf, jnp.float32),
              jnp.zeros((padded_group,), jnp.float32))
     accs, m, l = jax.lax.fori_loop(tile_lo, tile_hi, tile_body, carry)
-    if scales_ref is not None:
-        accs = tuple(acc * scales_ref[1] for acc in accs)
+    if v_scale_ref is not None:
+        accs = tuple(acc * v_scale_ref[0] for acc in accs)
 
     out_mask = row_ok[:, None] & word_ok[None, :]
     if num_splits > 1:
@@ -626,7 +628,6 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         compute_dtype=compute_dtype, soft_cap=logits_soft_cap, window=sliding_window,
         merge_in_kernel=merge_in_kernel, fp8_v_at_load=fp8_v_at_load, fp8_pairs=fp8_pairs,
         interpret=interpret)
-    scales = None if k_scale is None else jnp.stack([k_scale, v_scale]).astype(jnp.float32)
     finals = (jax.ShapeDtypeStruct((batch, kvh, group, head_dim), q.dtype),
               jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32))
     out_shape = finals
@@ -639,7 +640,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     operands = (context_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
                 q.reshape(batch, kvh, group, head_dim), slot_major(k_cache, fp8_pairs=fp8_pairs),
                 slot_major(v_cache, fp8_pairs=fp8_pairs), per_head(alibi_slopes),
-                per_head(sinks), scales)
+                per_head(sinks), *kernel_scale_operands(k_scale, v_scale))
     # merge_in_kernel: the arrival counts start at zero and live in the last output's buffer.
     arrivals = jnp.zeros((batch, kvh), jnp.int32) if merge_in_kernel else None
     aliases = {len(jax.tree_util.tree_leaves(operands)): len(out_shape) - 1} if merge_in_kernel \
@@ -667,7 +668,8 @@ def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, con
 
     Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float, lengths and
     table ids int32; ``k_scale`` / ``v_scale`` ``f32[]`` operands or None, passed to the kernel as
-    one ``f32[2]`` array so that the compiled kernel serves every scale).
+    two ``f32[1]`` operands (`kernel_scale_operands`) so that the compiled kernel serves every
+    scale).
 
     Returns:
       ``(out [batch, num_heads, head_dim] in q.dtype, lse f32[batch, num_heads])``.

@@ -48,6 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_paged._platform import next_power_of_2
+from pallas_paged.cache_write.fp8 import kernel_scale_operands
 from pallas_paged.decode_attention.pallas_triton import (_dot_nn, _dot_nt, column_parts,
                                                          dot_dtype, load_kv_parts,
                                                          merge_splits_pallas, query_for_dots,
@@ -162,7 +163,8 @@ def _ragged_attention_kernel(
     v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (fp8_pairs: as k_ref)
     alibi_ref,   # f32[num_heads] or None
     sinks_ref,   # f32[num_heads] or None
-    scales_ref,  # f32[2] = (k_scale, v_scale) of an fp8 cache, or None
+    k_scale_ref,  # f32[1], the k_scale of an fp8 cache, or None
+    v_scale_ref,  # f32[1], its v_scale, or None
     *out_refs,   # split:  o f32[num_tokens * kvh * splits * group, head_dim], m, l f32[same rows]
                  #         (row ((t * kvh + kv_head) * splits + split) * group + g)
                  # single: o [num_tokens * num_heads, head_dim] in q.dtype, lse f32[num_tokens * num_heads]
@@ -225,7 +227,7 @@ def _ragged_attention_kernel(
                               mask=row_real[:, None] & word_ok[None, :], other=0)
                    for c in part_cols)  # [M, Dq] each
         # The fp8 dequantization scales enter here (scores) and after the loops (values) only.
-        score_scale = scale if scales_ref is None else scales_ref[0] * scale
+        score_scale = scale if k_scale_ref is None else k_scale_ref[0] * scale
         qs, score_scale = query_for_dots(qs, score_scale, compute_dtype)
         load_tile = functools.partial(load_kv_parts, h=h, words=words, fp8_pairs=fp8_pairs,
                                       interpret=interpret)
@@ -282,8 +284,8 @@ def _ragged_attention_kernel(
         for (lo, hi), body in zip(loops, (masked_body, full_body, masked_body)):
             carry = jax.lax.fori_loop(lo, hi, body, carry)
         accs, m, l = carry
-        if scales_ref is not None:
-            accs = tuple(acc * scales_ref[1] for acc in accs)
+        if v_scale_ref is not None:
+            accs = tuple(acc * v_scale_ref[0] for acc in accs)
 
         out_mask = row_real[:, None] & word_ok[None, :]
         if num_splits > 1:
@@ -342,8 +344,8 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, quer
 
     Arguments as `pallas_paged.paged_attention` (validated, ``scale`` resolved to a float,
     indices int32, ``num_tokens >= 1``, ``batch >= 1``; ``k_scale`` / ``v_scale`` ``f32[]``
-    operands or None, passed to the kernel as one ``f32[2]`` array so that the compiled kernel
-    serves every scale).
+    operands or None, passed to the kernel as two ``f32[1]`` operands (`kernel_scale_operands`)
+    so that the compiled kernel serves every scale).
 
     Returns:
       ``(out [num_tokens, num_heads, head_dim] in q.dtype, lse f32[num_tokens, num_heads])``.
@@ -362,7 +364,6 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, quer
         num_splits=splits, group=group, padded_dim=padded_dim,
         compute_dtype=dot_dtype(q.dtype, k_cache.dtype), soft_cap=logits_soft_cap,
         window=sliding_window, fp8_pairs=fp8_pairs, interpret=interpret)
-    scales = None if k_scale is None else jnp.stack([k_scale, v_scale]).astype(jnp.float32)
     if splits > 1:
         rows = num_tokens * kvh * splits * group
         out_shape = (jax.ShapeDtypeStruct((rows, head_dim), jnp.float32),
@@ -385,7 +386,7 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, quer
     )(query_start_loc.astype(jnp.int32), context_lens.astype(jnp.int32),
       block_tables.astype(jnp.int32), q.reshape(num_tokens * num_heads, head_dim),
       slot_major(k_cache, fp8_pairs=fp8_pairs), slot_major(v_cache, fp8_pairs=fp8_pairs),
-      alibi_slopes, sinks, scales)
+      alibi_slopes, sinks, *kernel_scale_operands(k_scale, v_scale))
     if splits == 1:
         out, lse = outs
         return out.reshape(num_tokens, num_heads, head_dim), lse.reshape(num_tokens, num_heads)
