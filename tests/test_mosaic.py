@@ -23,7 +23,7 @@ import pytest
 import pallas_paged as pp
 import torch_ref
 from oracle import fp8_e4m3fn_to_float, oracle_paged_attention
-from paged_inputs import make_paged, to_numpy
+from paged_inputs import launched_ops, make_paged, to_numpy
 from benchmarks import bench
 from pallas_paged.decode_attention import api, configs, mosaic_gpu
 from pallas_paged.decode_attention.configs import MosaicDecodeConfig
@@ -678,6 +678,57 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
     assert ("_qn" in text) == ran.queries_in_n
     assert ("_kreg" in text) == (ran.fp8_k_in_registers and args[1].dtype == jnp.float8_e4m3fn)
     assert ("_vprod" in text) == (ran.fp8_v_in_producer and args[1].dtype == jnp.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("batch,group,cache,config,expected", [
+    # one CTA per multiprocessor either way (B=32, 128-token tiles): normalized in the kernel
+    (32, 4, "bfloat16", MosaicDecodeConfig(block_k=128, num_stages=2, queries_in_n=True), True),
+    # B=128 with 64-token tiles: two CTAs per multiprocessor, one with the output's staging
+    (128, 4, "bfloat16", MosaicDecodeConfig(block_k=64, num_stages=3, queries_in_n=True), False),
+    # MHA: one lse value per (sequence, kv head), 4 bytes, not a TMA row
+    (32, 1, "bfloat16", MosaicDecodeConfig(block_k=64, num_stages=3, queries_in_n=True), False),
+    # several parts: merged after the kernel
+    (1, 4, "bfloat16", MosaicDecodeConfig(block_k=128, num_splits=16, queries_in_n=True), False),
+    (32, 4, "bfloat16", MosaicDecodeConfig(block_k=64, num_stages=2, num_consumers=2,
+                                           queries_in_n=True), False),
+    (32, 4, "float8_e4m3fn", MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True,
+                                                fp8_k_in_registers=True,
+                                                fp8_v_in_producer=True), True),
+])
+def test_the_kernel_finalizes_where_it_costs_no_wave(batch, group, cache, config, expected):
+    compute = jnp.float16 if cache == "float8_e4m3fn" else jnp.bfloat16
+    assert mosaic_gpu.finalizes(config, batch=batch, kvh=8, group=group, head_dim=128,
+                                cache_dtype=jnp.dtype(cache), compute_dtype=compute,
+                                sm_count=132) is expected
+
+
+PADDED = {"pad", "convert"}  # jnp.pad: the pad, and its fill value's conversion
+
+
+@pytest.mark.parametrize("num_heads,config,expected", [
+    # one part per (sequence, kv head): the kernel normalizes; a group of 8 in the queries-in-N
+    # kernel's 8 columns needs no padding
+    (16, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), set()),
+    # a group of 4 there, and any group in the 64 rows of the queries in M: the query padded
+    (8, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), PADDED),
+    (16, MosaicDecodeConfig(block_k=64, num_stages=2), PADDED),
+], ids=["g8_qn", "g4_qn", "g8_qm"])
+def test_one_part_launches_its_kernel_without_a_merge(num_heads, config, expected, monkeypatch):
+    """Lowered for CUDA: with one part per (sequence, kv head) the kernel writes the normalized
+    output and lse (sinks and v_scale included), so nothing follows it; every op XLA computes
+    beside a kernel is one more launch per call (the merge and O^T's transpose were two)."""
+    monkeypatch.setattr(mosaic_gpu, "check_device", lambda interpret: None)
+    args = _abstract(num_heads=num_heads, head_dim=128)
+    sinks = jax.ShapeDtypeStruct((num_heads,), jnp.float32)
+    fn = lambda *a: pp.decode(*a[:5], sinks=a[5], impl="mosaic", interpret=False,  # noqa: E731
+                              config=config, return_lse=True)
+    text = jax.jit(fn).trace(*args, sinks).lower(lowering_platforms=("cuda",)).as_text()
+    assert "_final" in text
+    assert launched_ops(text) == expected  # the sinks padded like the query, where it is
+    plain = jax.jit(functools.partial(pp.decode, impl="mosaic", interpret=False, config=config,
+                                      return_lse=True)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert launched_ops(plain) == expected
 
 
 # --- the compiled kernel on a GPU ------------------------------------------------------------------

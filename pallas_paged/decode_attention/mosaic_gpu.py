@@ -35,9 +35,9 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
    Each consumer writes its unnormalized ``(o, m, l)`` as one of the ``num_splits * C`` partial
    results; `_merge_splits` (shared with the Triton kernel) combines them, adds the sink and
    normalizes.
-2. `decode_mosaic` checks what the kernel supports, builds the padded (and, for fp8 caches,
-   range-shifted) query, calls the kernel over the grid ``(batch, num_kv_heads, num_splits)`` and
-   merges.
+2. `decode_kernel_call` checks what the kernel supports, builds the padded (and, for fp8 caches,
+   range-shifted) query and calls the kernel over the grid ``(batch, num_kv_heads,
+   num_splits)``; `decode_mosaic` calls it, dequantizes the values and merges.
 3. `decode` (in ``api.py``) validates, resolves the scale and the config, and dispatches.
 
 Safety, by construction (values cannot raise under jit):
@@ -73,11 +73,13 @@ Supported (anything else is a ValueError naming the argument):
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_paged._platform import sm_count
 from pallas_paged.decode_attention.configs import MosaicDecodeConfig
 from pallas_paged.decode_attention.pallas_triton import (FP16_SAFE_MAX, _merge_splits, dot_dtype,
                                                          tile_range)
@@ -85,6 +87,7 @@ from pallas_paged.decode_attention.pallas_triton import (FP16_SAFE_MAX, _merge_s
 MIN_JAX = (0, 11, 2)  # plgpu.kernel with out_type / scratch_types and warpgroup semantics
 MMA_ROWS = 64  # wgmma's M: the query rows of a group, padded with zero queries
 MMA_COLUMNS = 8  # the unit of wgmma's N: with queries_in_n, the group is padded to a multiple
+TRANSPOSE_K = 16  # wgmma's K for 16-bit operands: the rows of O^T's transposing product
 SUPPORTED_HEAD_DIMS = (64, 128)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 KERNEL_NAME = "pallas_paged_decode_mosaic"
@@ -94,6 +97,8 @@ PRODUCER = 0  # the producer warpgroup; consumers are warpgroups 1 .. num_consum
 PRODUCER_REGISTERS = 40
 REGISTERS_PER_SM = 64 * 1024
 MAX_SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on sm_90
+SMEM_PER_SM = 228 * 1024  # shared memory of an sm_90 multiprocessor
+SMEM_RESERVED_PER_CTA = 1024  # of it, what the driver reserves for each resident CTA
 # The shared memory Mosaic GPU places at the end of the scoped allocations for a reduction across
 # the warps of a warpgroup (its CompilerParams.reduction_scratch_bytes, passed explicitly). Every
 # warpgroup's reductions at one point of the program use the same bytes, so the consumers after
@@ -156,6 +161,34 @@ def lower_apart(plgpu, count: int, lower, apart: bool) -> None:
     from_level(0)
 
 
+def ctas_per_sm(smem: int) -> int:
+    """CTAs of ``smem`` bytes of shared memory one sm_90 multiprocessor holds at once."""
+    return max(1, SMEM_PER_SM // (smem + SMEM_RESERVED_PER_CTA))
+
+
+def finalizes(config: MosaicDecodeConfig, *, batch: int, kvh: int, group: int, head_dim: int,
+              cache_dtype, compute_dtype, sm_count: int) -> bool:
+    """Whether the kernel writes the normalized output itself, so that no merge follows it (one
+    XLA launch less). Where
+
+    - each (sequence, kv head) has one part (one split, one consumer): nothing to merge;
+    - its ``group`` lse values are a multiple of 16 bytes (TMA copies them; a group of 1 or 2,
+      as MHA's, is merged after the kernel);
+    - the output's shared memory (`final_smem_bytes`) costs no wave: on an H200 (2026-12-03) the
+      launch saved bought 1.7% at bf16 B=32 and 1.5% at fp8 B=32, while at B=128 and B=256 it
+      took the CTAs from two per multiprocessor to one and cost 2.6% and 4.7%
+      (docs/BENCHMARKS.md).
+    """
+    if config.num_splits * config.num_consumers != 1 or (group * 4) % 16:
+        return False
+    sizes = [smem_bytes(head_dim, cache_dtype, compute_dtype, config, alibi=True, group=group,
+                        finalize=finalize) for finalize in (False, True)]
+    if sizes[1] > MAX_SMEM_BYTES:
+        return False
+    waves = [-(-batch * kvh // (sm_count * ctas_per_sm(size))) for size in sizes]
+    return waves[0] == waves[1]
+
+
 def query_rows(group: int, config: MosaicDecodeConfig) -> int:
     """The query rows the kernel computes per kv head, the group padded with zero queries: to
     wgmma's M of 64, or with ``config.queries_in_n`` to a multiple of its N unit of 8."""
@@ -165,9 +198,11 @@ def query_rows(group: int, config: MosaicDecodeConfig) -> int:
 
 
 def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeConfig,
-               alibi: bool = False, group: int = MMA_ROWS) -> int:
+               alibi: bool = False, group: int = MMA_ROWS, finalize: bool = False) -> int:
     """Shared memory one CTA of the kernel takes for a group of ``group`` query heads: the
-    scratch of `_paged_decode_kernel` and `MOSAIC_OWN_SMEM_BYTES`."""
+    scratch of `_paged_decode_kernel` and `MOSAIC_OWN_SMEM_BYTES`. ``alibi``: with the slopes
+    and the sinks (the worst case); ``finalize``: with the normalized output's staging
+    (`finalizes`), whose dtype has the compute dtype's size (both are 16-bit)."""
     cache, compute = jnp.dtype(cache_dtype).itemsize, jnp.dtype(compute_dtype).itemsize
     tile = config.block_k * head_dim
     consumers = config.num_consumers
@@ -183,7 +218,9 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
         total += (v_tiles + k_tiles) * tile * compute
     total += consumers * rows * config.block_k * compute     # P
     total += consumers * rows * (head_dim + 2) * 4           # o, m, l
-    total += rows * 4 * alibi                                # the slopes
+    total += 2 * rows * 4 * alibi                            # the slopes, the sinks
+    if finalize:                                             # the normalized output
+        total += final_smem_bytes(rows, head_dim, compute_dtype, config.queries_in_n)
     total += 8 * (1 + 3 * config.num_stages)                 # barriers
     total += 8 * 2 * v_ring * v_in_producer                  # the converted ring's barriers
     total += REDUCTION_SCRATCH_BYTES * reduction_pads(consumers, config.queries_in_n)  # pads
@@ -288,13 +325,18 @@ def _paged_decode_kernel(
     k_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]    (the cache)
     v_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]
     alibi_ref,    # f32[num_kv_heads, R] or None
-    scores_ref,   # f32[batch, num_kv_heads] or None (fp8): scale * k_scale * q's power of two
-    o_ref,        # f32[batch, num_kv_heads, num_splits * C, group, head_dim], unnormalized
-                  # (queries_in_n: its transpose with every row, [..., head_dim, R])
-    m_ref,        # f32[batch, num_kv_heads, num_splits * C, R], running max
-    l_ref,        # f32[batch, num_kv_heads, num_splits * C, R], sum of exponentials
-                  # (C = num_consumers: partial result split * C + c is consumer c's)
-    *,
+    sinks_ref,    # f32[num_kv_heads, R] or None (finalize only; the merge adds them otherwise)
+    k_scale_ref,  # f32[1] or None (fp8)
+    shift_ref,    # f32[batch, num_kv_heads] or None (fp8, bf16 query): the query's power of two
+    v_scale_ref,  # f32[1] or None (fp8, finalize only; applied after the kernel otherwise)
+    *out_refs,    # finalize (one part per (sequence, kv head)):
+                  #   out [batch, num_kv_heads, group, head_dim] in out_dtype, normalized
+                  #   lse f32[batch, num_kv_heads, group]
+                  # else the partial results (C = num_consumers: part split * C + c is c's):
+                  #   o f32[batch, num_kv_heads, num_splits * C, group, head_dim], unnormalized
+                  #     (queries_in_n: its transpose with every row, [..., head_dim, R])
+                  #   m f32[batch, num_kv_heads, num_splits * C, R], running max
+                  #   l f32[batch, num_kv_heads, num_splits * C, R], sum of exponentials
     plgpu,
     scale: float,
     group: int,
@@ -308,6 +350,8 @@ def _paged_decode_kernel(
     soft_cap: float | None,
     window: int | None,
     compute_dtype,
+    finalize: bool,
+    out_dtype,
     producer_only: bool = False,
 ):
     num_blocks, block_size, _, head_dim = k_ref.shape
@@ -361,14 +405,15 @@ def _paged_decode_kernel(
         """f32[q_rows] broadcast along the other axis of ``shape``."""
         return jax.lax.broadcast_in_dim(vector, shape, [query_axis])
 
-    def body(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem, ml_smem,
-             q_bar, k_bars, v_bars, free_bars, vconv_bars, vfree_bars):
+    def body(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, sinks_smem, o_smem,
+             ml_smem, final_smem, q_bar, k_bars, v_bars, free_bars, vconv_bars, vfree_bars):
         # q_smem [R, D] (R = q_rows); k_smem, v_smem [stages, block_k, D] in the cache dtype; per
         # consumer (leading axis C): kc_smem, vc_smem [C, block_k, D] in compute_dtype (fp8
         # caches only, else None; kc_smem None with fp8_k_in_registers too; vc_smem the
         # producer's ring [v_ring, block_k, D] with fp8_v_in_producer), p_smem [C,
         # R, block_k] in compute_dtype, o_smem f32[C, R, D]
-        # (queries_in_n: [C, D, R], O^T), ml_smem f32[C, 2, R]; alibi_smem f32[R] or None.
+        # (queries_in_n: [C, D, R], O^T), ml_smem f32[C, 2, R]; alibi_smem, sinks_smem f32[R] or
+        # None; final_smem: with finalize, `FinalSmem` (the normalized output on its way out).
         # Barriers: q_bar (queries and slopes); k_bars[stages], v_bars[stages] (TMA done);
         # free_bars[stages] (a stage is done with: its consumer, and with fp8_v_in_producer the
         # producer too); with fp8_v_in_producer, vconv_bars[v_ring] (a converted V
@@ -457,7 +502,8 @@ def _paged_decode_kernel(
                         None if kc_smem is None else kc_smem.at[c],
                         vc_smem if fp8_v_in_producer or vc_smem is None else vc_smem.at[c],
                         p_smem.at[c], alibi_smem, o_smem.at[c], ml_smem.at[c], q_bar, k_bars,
-                        v_bars, free_bars, vconv_bars, vfree_bars, store_v)
+                        v_bars, free_bars, vconv_bars, vfree_bars, store_v,
+                        sinks_smem=sinks_smem, final_smem=final_smem)
 
         # The consumers first: with the queries in N each consumer's reductions across its warps
         # get their own scratch, under scopes whose barriers every warpgroup passes at once.
@@ -471,6 +517,8 @@ def _paged_decode_kernel(
             plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
             if alibi_smem is not None:
                 plgpu.copy_gmem_to_smem(alibi_ref.at[h], alibi_smem, q_bar)
+            if sinks_smem is not None:
+                plgpu.copy_gmem_to_smem(sinks_ref.at[h], sinks_smem, q_bar)
 
             if fp8_v_in_producer:
                 produce_converting_v(vc_smem)
@@ -491,10 +539,12 @@ def _paged_decode_kernel(
                 issue(tile_lo + step, slot, blocks)
 
     def consume(c, q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem, ml_smem,
-                q_bar, k_bars, v_bars, free_bars, vconv_bars, vfree_bars, store_v):
+                q_bar, k_bars, v_bars, free_bars, vconv_bars, vfree_bars, store_v, *, sinks_smem,
+                final_smem):
         """Consumer ``c``: the online softmax over its tiles (``c, c + C, ...`` of the split),
-        then its partial results. The per-consumer refs come without their leading axis
-        (``vc_smem``: the producer's whole ring with ``fp8_v_in_producer``)."""
+        then its partial results, or with ``finalize`` the normalized output. The per-consumer
+        refs come without their leading axis (``vc_smem``: the producer's whole ring with
+        ``fp8_v_in_producer``)."""
         plgpu.barrier_wait(q_bar)
         if producer_only:
             consume_nothing(c, k_bars, v_bars, free_bars, vconv_bars, vfree_bars)
@@ -502,7 +552,11 @@ def _paged_decode_kernel(
         if alibi_smem is not None:
             # f32[q_rows], one slope per query (the layout of the scores' token reductions).
             slopes = plgpu.load(alibi_smem, layout=plgpu.Layout.WGMMA.reduce(token_axis))
-        score_scale = scale if scores_ref is None else scores_ref[b, h]
+        score_scale = scale
+        if k_scale_ref is not None:  # fp8: scale * k_scale, times the query's power of two
+            score_scale = scale * k_scale_ref[0]
+            if shift_ref is not None:
+                score_scale = shift_ref[b, h] * score_scale
 
         def tile_body(i, carry, masked):
             # f32[q_rows, D] (queries_in_n: [D, q_rows]), f32[q_rows], f32[score_shape] (the sum
@@ -613,7 +667,10 @@ def _paged_decode_kernel(
         acc, m, l_parts = walk(my_tiles, tile_body, carry, first_owner=c == 0,
                                last_owner=c == jax.lax.rem(jnp.maximum(num_tiles - 1, 0),
                                                            num_consumers))
-        write_partials(c, acc, m, l_parts.sum(axis=token_axis), o_smem, ml_smem)
+        if finalize:
+            write_final(acc, m, l_parts.sum(axis=token_axis), sinks_smem, ml_smem, final_smem)
+        else:
+            write_partials(c, acc, m, l_parts.sum(axis=token_axis), o_smem, ml_smem)
 
     def consume_nothing(c, k_bars, v_bars, free_bars, vconv_bars, vfree_bars):
         """The timing probe's consumer ``c``: waits for each of its tiles (with
@@ -640,8 +697,69 @@ def _paged_decode_kernel(
             def _free():
                 plgpu.barrier_arrive(free_bars.at[slot])
 
+    def write_final(acc, m, l, sinks_smem, ml_smem, final_smem):
+        """The one part of this (sequence, kv head), normalized as `_merge_splits` normalizes one
+        split (the same operations in the same order: ``v_scale``, the sink, the division; a row
+        with ``n == 0`` gives zeros and ``lse = -inf``), written to ``out`` and ``lse``: no merge
+        after the kernel. With the queries in N, ``O^T`` is turned into ``O``'s rows by one more
+        wgmma, ``O = E (O^T)^T`` with ``E`` the identity (exact: each output is one product by
+        1.0), since a transposed store of its registers to memory that TMA can copy row by row
+        has no layout in Mosaic GPU."""
+        out_ref, lse_ref = out_refs
+        o = acc if v_scale_ref is None else acc * v_scale_ref[0]
+        m_total = m
+        if sinks_smem is not None:
+            sink = plgpu.load(sinks_smem, layout=plgpu.Layout.WGMMA.reduce(token_axis))
+            m_total = jnp.maximum(m, sink)
+        m_total = jnp.where(jnp.abs(m_total) < jnp.inf, m_total, 0.0)
+        weight = jnp.exp(m - m_total)  # f32[q_rows], 0 where this part saw no key
+        l_total = weight * l
+        if sinks_smem is not None:
+            l_total = l_total + jnp.exp(sink - m_total)
+        present = jnp.zeros(m.shape, jnp.int32) + n > 0  # bool[q_rows] (a select takes no scalar)
+        has = (l_total > 0) & present
+        o = o * per_query(weight, o.shape)
+        o = o / per_query(jnp.where(has, l_total, 1.0), o.shape)
+        query = jax.lax.broadcasted_iota(jnp.int32, o.shape, query_axis)
+        # zero rows past the group too: their values never reach the output, nor, through
+        # E's zeros, an Inf or NaN of theirs the group's rows
+        o = jnp.where(per_query(has, o.shape) & (query < group), o, 0.0).astype(out_dtype)
+        ml_smem[0] = jnp.where(present, m_total + jnp.log(l_total), -jnp.inf)
+        if queries_in_n:
+            o = transpose_to_rows(o, final_smem)
+        final_smem.out[...] = o
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(final_smem.out.at[pl.ds(0, group)], out_ref.at[b, h])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0, pl.ds(0, group)], lse_ref.at[b, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    def transpose_to_rows(o_t, final_smem):
+        """``O^T`` (``[head_dim, q_rows]`` in out_dtype, WGMMA layout) as ``O`` padded to wgmma's
+        64 rows (f32, WGMMA layout): ``O^T`` into ``final_smem.o_t`` (``[K, head_dim]``, ``K``
+        the query rows padded to wgmma's K of 16 with zeros) by the transposed store P^T takes,
+        then ``E [64, K] @ o_t`` with ``E`` the identity."""
+        o_t_smem, eye_smem = final_smem.o_t, final_smem.eye
+        k_rows = o_t_smem.shape[0]
+        o_t_smem.at[pl.ds(0, q_rows)].transpose((1, 0))[...] = o_t
+        if k_rows > q_rows:
+            zeros = plgpu.layout_cast(jnp.zeros((head_dim, k_rows - q_rows), out_dtype),
+                                      plgpu.Layout.WGMMA)
+            o_t_smem.at[pl.ds(q_rows, k_rows - q_rows)].transpose((1, 0))[...] = zeros
+        eye_shape = eye_smem.shape
+        eye = (jax.lax.broadcasted_iota(jnp.int32, eye_shape, 0)
+               == jax.lax.broadcasted_iota(jnp.int32, eye_shape, 1)).astype(out_dtype)
+        eye_smem[...] = plgpu.layout_cast(eye, plgpu.Layout.WGMMA)
+        plgpu.commit_smem()
+
+        def rows(acc_ref):
+            plgpu.wgmma(acc_ref, eye_smem, o_t_smem)
+            return acc_ref[...]
+
+        return pl.run_scoped(rows, plgpu.ACC((MMA_ROWS, head_dim), jnp.float32)).astype(out_dtype)
+
     def write_partials(c, acc, m, l, o_smem, ml_smem):
         """Consumer ``c``'s unnormalized ``(o, m, l)``, through shared memory to its part."""
+        o_ref, m_ref, l_ref = out_refs
         o_smem[...] = acc
         ml_smem[0] = m
         ml_smem[1] = l
@@ -670,9 +788,12 @@ def _paged_decode_kernel(
               compute_dtype, mma_operand=True) if convert else None),
         smem((consumers, q_rows, block_k), compute_dtype, mma_operand=True),
         smem((q_rows,), jnp.float32, mma_operand=False) if alibi_ref is not None else None,
+        smem((q_rows,), jnp.float32, mma_operand=False) if sinks_ref is not None else None,
         smem((consumers,) + acc_shape, jnp.float32, mma_operand=False),
         smem((consumers, 2, q_rows), jnp.float32, mma_operand=False),
-        plgpu.Barrier(num_arrivals=1 if alibi_ref is None else 2),  # q (and the slopes)
+        final_smem_scratch(plgpu, q_rows, head_dim, out_dtype, queries_in_n) if finalize else None,
+        # q (and the slopes, the sinks)
+        plgpu.Barrier(num_arrivals=1 + (alibi_ref is not None) + (sinks_ref is not None)),
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
         # a stage's consumer, and with fp8_v_in_producer the producer too, are done with it
@@ -683,12 +804,47 @@ def _paged_decode_kernel(
     pl.run_scoped(body, *scratch, collective_axes="wg")
 
 
-def mma_smem(plgpu, shape, dtype):
+class FinalSmem(NamedTuple):
+    """Shared memory of a kernel that writes the normalized output (``finalize``): ``out``
+    ``[64, head_dim]`` (untiled, so that its first ``group`` rows copy out), and with the queries
+    in N ``o_t`` ``[K, head_dim]`` and ``eye`` ``[64, K]`` (wgmma operands, ``K`` the query rows
+    padded to a multiple of 16), all in the output dtype; else None."""
+
+    o_t: Any
+    eye: Any
+    out: Any
+
+
+def final_smem_scratch(plgpu, q_rows: int, head_dim: int, out_dtype, queries_in_n: bool):
+    """`FinalSmem`'s allocations (see there)."""
+    out = plgpu.SMEM((MMA_ROWS, head_dim), out_dtype)
+    if not queries_in_n:
+        return FinalSmem(None, None, out)
+    k_rows = -(-q_rows // TRANSPOSE_K) * TRANSPOSE_K
+    eye = mma_smem(plgpu, (MMA_ROWS, k_rows), out_dtype)
+    # the two operands of one wgmma in one swizzle: E's, the narrower (its rows are K long)
+    swizzle = mma_swizzle(k_rows * jnp.dtype(out_dtype).itemsize)
+    return FinalSmem(mma_smem(plgpu, (k_rows, head_dim), out_dtype, swizzle=swizzle), eye, out)
+
+
+def final_smem_bytes(q_rows: int, head_dim: int, out_dtype, queries_in_n: bool) -> int:
+    """The bytes of `final_smem_scratch`'s allocations."""
+    itemsize = jnp.dtype(out_dtype).itemsize
+    k_rows = -(-q_rows // TRANSPOSE_K) * TRANSPOSE_K
+    return itemsize * (MMA_ROWS * head_dim
+                       + queries_in_n * (k_rows * head_dim + MMA_ROWS * k_rows))
+
+
+def mma_swizzle(row_bytes: int) -> int:
+    """The widest swizzle (32, 64 or 128 bytes) rows of ``row_bytes`` allow."""
+    return 128 if row_bytes % 128 == 0 else 64 if row_bytes % 64 == 0 else 32
+
+
+def mma_smem(plgpu, shape, dtype, swizzle: int | None = None):
     """Shared memory for a wgmma operand (or a TMA destination read as one): 8-row tiles of
-    the widest swizzle the rows allow (32, 64 or 128 bytes)."""
+    ``swizzle`` bytes, by default the widest swizzle the rows allow (`mma_swizzle`)."""
     itemsize = jnp.dtype(dtype).itemsize
-    row_bytes = shape[-1] * itemsize
-    swizzle = 128 if row_bytes % 128 == 0 else 64 if row_bytes % 64 == 0 else 32
+    swizzle = swizzle or mma_swizzle(shape[-1] * itemsize)
     return plgpu.SMEM(shape, dtype, transforms=(
         plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
 
@@ -712,10 +868,126 @@ def _copies_per_tile(block_size: int, block_k: int) -> int:
     return block_k // block_size if block_size <= block_k else 1
 
 
+def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale,
+                       config: MosaicDecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
+                       sliding_window, sinks, k_scale, v_scale, producer_only: bool = False):
+    """The kernel alone, over the grid ``(batch, num_kv_heads, num_splits)``, with the XLA work
+    that builds its operands (the query padded to the kernel's rows, for fp8 caches divided into
+    fp16's range; the padded ALiBi slopes and sinks; the score multipliers).
+
+    Arguments as `decode_mosaic`.
+
+    Returns:
+      where the kernel finalizes (`finalizes`: one part per (sequence, kv head)), ``(out
+      [batch, kvh, group, head_dim] in q.dtype, lse f32[batch, kvh, group])``; else the partial
+      ``(o f32[batch, kvh, P, group, head_dim], m, l f32[batch, kvh, P, group])`` of the ``P =
+      num_splits * num_consumers`` parts, unnormalized and without ``v_scale`` or the sinks,
+      which `_merge_splits` combines.
+    """
+    plgpu = _plgpu()
+    check_supported(q, k_cache, config)
+    check_device(interpret)
+    batch, num_heads, head_dim = q.shape
+    _, _, kvh, _ = k_cache.shape
+    group = num_heads // kvh
+    splits = config.num_splits
+    parts = splits * config.num_consumers  # partial results per (sequence, kv head)
+    compute_dtype = dot_dtype(q.dtype, k_cache.dtype)  # fp16 for fp8 caches
+    finalize = not producer_only and finalizes(
+        config, batch=batch, kvh=kvh, group=group, head_dim=head_dim, cache_dtype=k_cache.dtype,
+        compute_dtype=compute_dtype, sm_count=sm_count())
+    lens = context_lens.astype(jnp.int32)
+    tables = block_tables.astype(jnp.int32)
+    q_grouped = q.reshape(batch, kvh, group, head_dim)
+    shift = None
+    if k_scale is not None and compute_dtype != q.dtype:
+        # fp8 with a bf16 query, for the fp16 wgmmas: divide each group by the power of two that
+        # brings its largest |q| under 2**15 (exact); the kernel multiplies the scores back.
+        q32 = q_grouped.astype(jnp.float32)
+        q_max = jnp.max(jnp.abs(q32), axis=(2, 3))  # f32[batch, kvh]
+        shift = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(q_max / FP16_SAFE_MAX)), 0.0))
+        q_grouped = q32 / shift[..., None, None]
+    rows = query_rows(group, config)
+
+    def per_query_operand(x):  # f32[num_heads] -> f32[kvh, rows], zeros past the group
+        if x is None:
+            return None
+        x = x.astype(jnp.float32).reshape(kvh, group)
+        return x if rows == group else jnp.pad(x, ((0, 0), (0, rows - group)))
+
+    q_padded = q_grouped.astype(compute_dtype)
+    if rows > group:  # one more XLA op (a launch): groups of 8, 16, ... need none
+        q_padded = jnp.pad(q_padded, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    # Interpret mode takes wgmma operands from shared memory only: the same numbers through the
+    # converted tile in shared memory there.
+    k_in_registers = config.fp8_k_in_registers and compute_dtype != k_cache.dtype and not interpret
+    body = functools.partial(
+        _paged_decode_kernel, plgpu=plgpu, scale=scale, group=group,
+        block_k=config.block_k, num_splits=splits, num_stages=config.num_stages,
+        num_consumers=config.num_consumers, queries_in_n=config.queries_in_n,
+        fp8_k_in_registers=k_in_registers,
+        fp8_v_in_producer=config.fp8_v_in_producer and compute_dtype != k_cache.dtype,
+        soft_cap=logits_soft_cap, window=sliding_window,
+        compute_dtype=compute_dtype, finalize=finalize, out_dtype=q.dtype,
+        producer_only=producer_only)
+    optional = {  # inputs only some calls have, in the kernel's order
+        "alibi": per_query_operand(alibi_slopes),
+        "sinks": per_query_operand(sinks) if finalize else None,
+        # fp8: k_scale (a python float or a traced f32[]) an operand, so one program serves every
+        # scale; reshaped, which takes no launch
+        "k_scale": None if k_scale is None else jnp.reshape(k_scale, (1,)).astype(jnp.float32),
+        "shift": shift,
+        "v_scale": (None if v_scale is None or not finalize
+                    else jnp.reshape(v_scale, (1,)).astype(jnp.float32)),
+    }
+    present = [name for name, x in optional.items() if x is not None]
+
+    def kernel_body(lens_r, tables_r, q_r, k_r, v_r, *rest):
+        given = dict(zip(present, rest))
+        body(lens_r, tables_r, q_r, k_r, v_r, *(given.get(name) for name in optional),
+             *rest[len(present):])
+
+    operands = (lens, tables, q_padded, k_cache, v_cache, *(optional[name] for name in present))
+    if finalize:
+        out_type = (jax.ShapeDtypeStruct((batch, kvh, group, head_dim), q.dtype),
+                    jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32))
+    else:
+        o_shape = (head_dim, rows) if config.queries_in_n else (group, head_dim)
+        out_type = (jax.ShapeDtypeStruct((batch, kvh, parts) + o_shape, jnp.float32),
+                    jax.ShapeDtypeStruct((batch, kvh, parts, rows), jnp.float32),
+                    jax.ShapeDtypeStruct((batch, kvh, parts, rows), jnp.float32))
+    name = (f"{KERNEL_NAME}_bk{config.block_k}_s{splits}_st{config.num_stages}"
+            f"_c{config.num_consumers}_g{group}_d{head_dim}_bs{k_cache.shape[1]}"
+            + ("_qn" if config.queries_in_n else "")
+            + ("_kreg" if k_in_registers else "")
+            + ("_vprod" if config.fp8_v_in_producer and compute_dtype != k_cache.dtype else "")
+            + ("_final" if finalize else "")
+            + ("_producer_only" if producer_only else ""))
+    outs = plgpu.kernel(
+        kernel_body,
+        out_type=out_type,
+        grid=(batch, kvh, splits),
+        grid_names=("batch", "kv_head", "split"),
+        num_threads=1 + config.num_consumers,
+        thread_name="wg",
+        kernel_name=name,
+        compiler_params=plgpu.CompilerParams(**COMPILER_PARAMS),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(*operands)
+    if finalize:
+        return outs
+    o, m, l = outs
+    if config.queries_in_n:
+        o = jnp.swapaxes(o, -1, -2)[..., :group, :]
+    return o, m[..., :group], l[..., :group]
+
+
 def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                   config: MosaicDecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
                   sliding_window, sinks, k_scale, v_scale, producer_only: bool = False):
-    """The Mosaic GPU kernel over the grid ``(batch, num_kv_heads, num_splits)``, then the merge.
+    """The Mosaic GPU kernel over the grid ``(batch, num_kv_heads, num_splits)``
+    (`decode_kernel_call`), then, where it leaves several parts per (sequence, kv head), the
+    merge.
 
     Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float).
     ``producer_only=True`` is a timing probe for `benchmarks.bench_mosaic`, not attention: the
@@ -731,86 +1003,23 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
       ValueError: on jax < 0.11.2, on GPUs before sm_90 (compiled), and for shapes or dtypes the
         kernel does not support (see the module docstring).
     """
-    plgpu = _plgpu()
-    check_supported(q, k_cache, config)
-    check_device(interpret)
     batch, num_heads, head_dim = q.shape
-    _, _, kvh, _ = k_cache.shape
-    group = num_heads // kvh
-    splits = config.num_splits
-    parts = splits * config.num_consumers  # partial results per (sequence, kv head)
-    compute_dtype = dot_dtype(q.dtype, k_cache.dtype)  # fp16 for fp8 caches
-    lens = context_lens.astype(jnp.int32)
-    tables = block_tables.astype(jnp.int32)
-    q_grouped = q.reshape(batch, kvh, group, head_dim)
-    score_multipliers = None
-    if k_scale is not None:
-        # fp8: the score multiplier is an operand, f32[batch, kvh] (k_scale may be a python float
-        # or a traced f32[]), so one program serves every scale.
-        shift = jnp.ones((batch, kvh), jnp.float32)
-        if compute_dtype != q.dtype:
-            # A bf16 query for the fp16 wgmmas: divide each group by the power of two that brings
-            # its largest |q| under 2**15 (exact), and multiply the scores back.
-            q32 = q_grouped.astype(jnp.float32)
-            q_max = jnp.max(jnp.abs(q32), axis=(2, 3))  # f32[batch, kvh]
-            shift = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(q_max / FP16_SAFE_MAX)), 0.0))
-            q_grouped = q32 / shift[..., None, None]
-        k_mult = jnp.asarray(k_scale, jnp.float32).reshape(())
-        score_multipliers = shift * (jnp.float32(scale) * k_mult)
-    rows = query_rows(group, config)
-    pad_rows = ((0, 0), (0, 0), (0, rows - group))
-    q_padded = jnp.pad(q_grouped.astype(compute_dtype), pad_rows + ((0, 0),))
-    alibi = None
-    if alibi_slopes is not None:
-        alibi = jnp.pad(alibi_slopes.astype(jnp.float32).reshape(kvh, group),
-                        ((0, 0), (0, rows - group)))
-    # Interpret mode takes wgmma operands from shared memory only: the same numbers through the
-    # converted tile in shared memory there.
-    k_in_registers = config.fp8_k_in_registers and compute_dtype != k_cache.dtype and not interpret
-    body = functools.partial(
-        _paged_decode_kernel, plgpu=plgpu, scale=scale, group=group,
-        block_k=config.block_k, num_splits=splits, num_stages=config.num_stages,
-        num_consumers=config.num_consumers, queries_in_n=config.queries_in_n,
-        fp8_k_in_registers=k_in_registers,
-        fp8_v_in_producer=config.fp8_v_in_producer and compute_dtype != k_cache.dtype,
-        soft_cap=logits_soft_cap, window=sliding_window,
-        compute_dtype=compute_dtype, producer_only=producer_only)
-    optional = {"alibi": alibi, "scores": score_multipliers}  # inputs only some calls have
-    present = [name for name, x in optional.items() if x is not None]
-
-    def kernel_body(lens_r, tables_r, q_r, k_r, v_r, *rest):
-        given = dict(zip(present, rest))
-        body(lens_r, tables_r, q_r, k_r, v_r, given.get("alibi"), given.get("scores"),
-             *rest[len(present):])
-
-    operands = (lens, tables, q_padded, k_cache, v_cache, *(optional[name] for name in present))
-    o_shape = (head_dim, rows) if config.queries_in_n else (group, head_dim)
-    out_type = (jax.ShapeDtypeStruct((batch, kvh, parts) + o_shape, jnp.float32),
-                jax.ShapeDtypeStruct((batch, kvh, parts, rows), jnp.float32),
-                jax.ShapeDtypeStruct((batch, kvh, parts, rows), jnp.float32))
-    name = (f"{KERNEL_NAME}_bk{config.block_k}_s{splits}_st{config.num_stages}"
-            f"_c{config.num_consumers}_g{group}_d{head_dim}_bs{k_cache.shape[1]}"
-            + ("_qn" if config.queries_in_n else "")
-            + ("_kreg" if k_in_registers else "")
-            + ("_vprod" if config.fp8_v_in_producer and compute_dtype != k_cache.dtype else "")
-            + ("_producer_only" if producer_only else ""))
-    o, m, l = plgpu.kernel(
-        kernel_body,
-        out_type=out_type,
-        grid=(batch, kvh, splits),
-        grid_names=("batch", "kv_head", "split"),
-        num_threads=1 + config.num_consumers,
-        thread_name="wg",
-        kernel_name=name,
-        compiler_params=plgpu.CompilerParams(**COMPILER_PARAMS),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(*operands)
-    if config.queries_in_n:
-        o = jnp.swapaxes(o, -1, -2)[..., :group, :]
-    if v_scale is not None:  # P V is linear in V: dequantize the partial sums
-        o = o * jnp.asarray(v_scale, jnp.float32).reshape(())
-    n = jnp.clip(lens, 0, block_tables.shape[1] * k_cache.shape[1])
-    sinks_per_head = None if sinks is None else sinks.astype(jnp.float32).reshape(kvh, group)
-    out, lse = _merge_splits(o, m[..., :group], l[..., :group], n, sinks_per_head)
+    kvh = k_cache.shape[2]
+    outs = decode_kernel_call(
+        q, k_cache, v_cache, block_tables, context_lens, scale=scale, config=config,
+        interpret=interpret, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+        producer_only=producer_only)
+    if len(outs) == 2:  # the kernel finalized
+        out, lse = outs
+    else:
+        o, m, l = outs
+        if v_scale is not None:  # P V is linear in V: dequantize the partial sums
+            o = o * jnp.asarray(v_scale, jnp.float32).reshape(())
+        n = jnp.clip(context_lens.astype(jnp.int32), 0,
+                     block_tables.shape[1] * k_cache.shape[1])
+        sinks_per_head = None if sinks is None else sinks.astype(jnp.float32).reshape(
+            kvh, num_heads // kvh)
+        out, lse = _merge_splits(o, m, l, n, sinks_per_head)
     return (out.astype(q.dtype).reshape(batch, num_heads, head_dim),
             lse.reshape(batch, num_heads))
