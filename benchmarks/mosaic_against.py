@@ -1,0 +1,59 @@
+"""The Mosaic decode as it is against a copy of its module before (GPU only), and the Triton kernel,
+alternated twice per shape, in dispatch mode, each row checked against ``impl="xla"``.
+
+    git show bb542ef:pallas_paged/decode_attention/mosaic_gpu.py > DIR/mosaic_before.py
+    PYTHONPATH=. python3 -m benchmarks.mosaic_against DIR b32_ctx4096,fp8_b32_ctx4096
+"""
+import functools
+import importlib
+import statistics
+import sys
+
+import numpy as np, jax, jax.numpy as jnp
+
+sys.path.insert(0, sys.argv[1])
+old = importlib.import_module("mosaic_before")
+import pallas_paged as pp
+from pallas_paged.decode_attention import api
+from benchmarks.shapes import shape_by_name, make_decode_inputs
+from benchmarks.timing import measure, measure_copy_bandwidth
+from benchmarks.bench import Settings, compare
+
+s = Settings()
+copy = measure_copy_bandwidth(s.copy_bytes, s)["tbps"]
+print(f"copy {copy:.3f} TB/s", flush=True)
+
+def timed(label, fn, args, nbytes, ref):
+    out = jax.block_until_ready(fn(*args))
+    c = compare(out, ref)
+    assert c["correct"], (label, c)
+    t = measure(lambda: fn(*args), 1, s)
+    frac = nbytes / (t.median_us * 1e-6) / 1e12 / copy
+    print(f"  {label:30s} {t.median_us:8.2f} us  {frac:.3f} of copy  rel_err {c['rel_err']:.1e}", flush=True)
+    return t.median_us
+
+shapes = sys.argv[2].split(",")
+for name in shapes:
+    shape = shape_by_name(name)
+    inputs = make_decode_inputs(shape, seed=0)
+    args = inputs.args(0)
+    nbytes = inputs.tokens_read() * shape.kv_bytes_per_token
+    ks, vs = shape.scales
+    scales = {} if ks is None else dict(k_scale=ks, v_scale=vs)
+    q, k, v, t, n = args
+    cfg = api.picked_config(q, k, t, impl="mosaic")
+    print(name, cfg, flush=True)
+    ref = pp.decode(*args, impl="xla", **scales)
+    before = jax.jit(lambda q, k, v, t, n: old.decode_mosaic(
+        q, k, v, t, n, scale=1 / np.sqrt(q.shape[2]), config=cfg, interpret=False,
+        logits_soft_cap=None, alibi_slopes=None, sliding_window=None, sinks=None,
+        k_scale=None if ks is None else jnp.float32(ks), v_scale=None if vs is None else jnp.float32(vs))[0])
+    after = jax.jit(functools.partial(pp.decode, impl="mosaic", **scales))
+    triton = jax.jit(functools.partial(pp.decode, impl="pallas", **scales))
+    res = {"before": [], "after": [], "triton": []}
+    for rep in range(2):
+        res["before"].append(timed(f"mosaic before #{rep}", before, args, nbytes, ref))
+        res["after"].append(timed(f"mosaic one launch #{rep}", after, args, nbytes, ref))
+        res["triton"].append(timed(f"triton #{rep}", triton, args, nbytes, ref))
+    med = {k_: statistics.median(v_) for k_, v_ in res.items()}
+    print(f"  medians: " + ", ".join(f"{k_} {v_:.2f} us ({nbytes / (v_ * 1e-6) / 1e12 / copy:.3f})" for k_, v_ in med.items()), flush=True)
