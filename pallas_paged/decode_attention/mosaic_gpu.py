@@ -34,7 +34,8 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
    tile body for those two and an unmasked one (no selects, no branch) for the rest.
    Each consumer writes its unnormalized ``(o, m, l)`` as one of the ``num_splits * C`` partial
    results; `_merge_splits` (shared with the Triton kernel) combines them, adds the sink and
-   normalizes.
+   normalizes. Where one part is left per (sequence, kv head) and its shared memory costs no
+   wave (`finalizes`), the consumer normalizes instead and writes the output and lse: no merge.
 2. `decode_kernel_call` checks what the kernel supports, builds the padded (and, for fp8 caches,
    range-shifted) query and calls the kernel over the grid ``(batch, num_kv_heads,
    num_splits)``; `decode_mosaic` calls it, dequantizes the values and merges.
