@@ -23,7 +23,7 @@ import pytest
 import pallas_paged as pp
 import torch_ref
 from oracle import fp8_e4m3fn_to_float, oracle_paged_attention
-from paged_inputs import launched_ops, make_paged, to_numpy
+from paged_inputs import NP_DTYPES, launched_ops, make_paged, to_numpy
 from benchmarks import bench
 from pallas_paged.decode_attention import api, configs, mosaic_gpu
 from pallas_paged.decode_attention.configs import MosaicDecodeConfig
@@ -222,6 +222,32 @@ def test_fp8_cache_every_option_nan_poisoned(rng, config):
                        block_size=16, dtype="float8_e4m3fn", fill=np.nan)
     assert_matches_oracle(paged, "bfloat16", config, k_scale=0.25, v_scale=0.75,
                           **every_option(rng, 4))
+
+
+@pytest.mark.parametrize("cache", ["bfloat16", "float8_e4m3fn"])
+def test_groups_read_in_boxes_of_8_rows(rng, cache):
+    """Groups of 4 of 8 heads with one part each: the kernel reads the query (slopes, sinks) in
+    boxes of 8 rows, its group at column 0 or 4 (`mosaic_gpu.reads_rows_of_8`). Every option
+    against the oracle; then a changed query head (a neighbour in the other group's box)
+    changes its own output and nothing else."""
+    dtype = "float16" if cache == "float8_e4m3fn" else "bfloat16"  # a bf16 query is converted
+    paged = make_paged(rng, lens=[90, 0, 33, 17, 64], num_heads=8, num_kv_heads=2,
+                       head_dim=64, block_size=16, dtype=cache)
+    paged.q = paged.q.astype(NP_DTYPES[dtype])
+    scales = dict(k_scale=0.25, v_scale=0.75) if cache == "float8_e4m3fn" else {}
+    config = in_n(ONE_SPLIT)
+    assert mosaic_gpu.reads_rows_of_8(config, num_heads=8, group=4, finalize=True,
+                                      converts_query=False)
+    assert_matches_oracle(paged, dtype, config, **scales, **every_option(rng, 8))
+    clean = mosaic(paged, config, **scales)
+    # sequence 2, query head 5 (kv head 1): column 5 of its own box, and of kv head 0's, whose
+    # group is its columns 0-3
+    paged.q[2, 5] = (paged.q[2, 5].astype(np.float32) * 50).astype(paged.q.dtype)
+    changed = mosaic(paged, config, **scales)
+    assert not np.array_equal(changed[2, 5], clean[2, 5])
+    others = np.ones(changed.shape[:2], bool)
+    others[2, 5] = False
+    np.testing.assert_array_equal(changed[others], clean[others])
 
 
 # --- SPEC invariants -------------------------------------------------------------------------------
@@ -705,20 +731,24 @@ def test_the_kernel_finalizes_where_it_costs_no_wave(batch, group, cache, config
 PADDED = {"pad", "convert"}  # jnp.pad: the pad, and its fill value's conversion
 
 
-@pytest.mark.parametrize("num_heads,config,expected", [
+@pytest.mark.parametrize("num_heads,kvh,config,expected", [
     # one part per (sequence, kv head): the kernel normalizes; a group of 8 in the queries-in-N
-    # kernel's 8 columns needs no padding
-    (16, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), set()),
-    # a group of 4 there, and any group in the 64 rows of the queries in M: the query padded
-    (8, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), PADDED),
-    (16, MosaicDecodeConfig(block_k=64, num_stages=2), PADDED),
-], ids=["g8_qn", "g4_qn", "g8_qm"])
-def test_one_part_launches_its_kernel_without_a_merge(num_heads, config, expected, monkeypatch):
+    # kernel's 8 columns needs no padding, nor does a group of 4 read in boxes of 8 rows
+    (16, 2, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), set()),
+    (8, 2, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), set()),
+    # 4 heads in all (a box of 8 would pass the end), and any group in the 64 rows of the
+    # queries in M: the query padded
+    (4, 1, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), PADDED),
+    (16, 2, MosaicDecodeConfig(block_k=64, num_stages=2), PADDED),
+], ids=["g8_qn", "g4_qn_rows_of_8", "g4_qn_4_heads", "g8_qm"])
+def test_one_part_launches_its_kernel_without_a_merge(num_heads, kvh, config, expected,
+                                                     monkeypatch):
     """Lowered for CUDA: with one part per (sequence, kv head) the kernel writes the normalized
-    output and lse (sinks and v_scale included), so nothing follows it; every op XLA computes
-    beside a kernel is one more launch per call (the merge and O^T's transpose were two)."""
+    output and lse (sinks and v_scale included), so nothing follows it, and it reads the query
+    unpadded where it can; every op XLA computes beside a kernel is one more launch per call (the
+    merge, O^T's transpose and the query's pad were three)."""
     monkeypatch.setattr(mosaic_gpu, "check_device", lambda interpret: None)
-    args = _abstract(num_heads=num_heads, head_dim=128)
+    args = _abstract(num_heads=num_heads, kvh=kvh, head_dim=128)
     sinks = jax.ShapeDtypeStruct((num_heads,), jnp.float32)
     fn = lambda *a: pp.decode(*a[:5], sinks=a[5], impl="mosaic", interpret=False,  # noqa: E731
                               config=config, return_lse=True)

@@ -190,6 +190,20 @@ def finalizes(config: MosaicDecodeConfig, *, batch: int, kvh: int, group: int, h
     return waves[0] == waves[1]
 
 
+def reads_rows_of_8(config: MosaicDecodeConfig, *, num_heads: int, group: int, finalize: bool,
+                    converts_query: bool) -> bool:
+    """Whether the kernel reads the query as it is, ``[batch * num_heads, head_dim]``, in boxes of
+    8 aligned rows (TMA copies of a tiled shared-memory ref start at a multiple of its 8-row
+    tiles), instead of a copy padded to 8 rows per kv head, which XLA would build before the
+    kernel (one more launch): a group of 4 (or 2, 1) lies inside one such box, at column 0 or 4
+    of the scores. Where the kernel finalizes (a merge after it would have to find each group's
+    columns), with the queries in N and 8 of them per kv head, a group below 8 that divides it,
+    ``num_heads`` a multiple of 8 (no box past the end), and no conversion of the query (fp8
+    caches read with a bf16 query divide it by a power of two in XLA first)."""
+    return (finalize and config.queries_in_n and group < MMA_COLUMNS
+            and MMA_COLUMNS % group == 0 and num_heads % MMA_COLUMNS == 0 and not converts_query)
+
+
 def query_rows(group: int, config: MosaicDecodeConfig) -> int:
     """The query rows the kernel computes per kv head, the group padded with zero queries: to
     wgmma's M of 64, or with ``config.queries_in_n`` to a multiple of its N unit of 8."""
@@ -322,11 +336,13 @@ def refusal(q, k_cache, config: MosaicDecodeConfig, interpret: bool) -> str | No
 def _paged_decode_kernel(
     lens_ref,     # i32[batch]                                          (GMEM)
     tables_ref,   # i32[batch, max_blocks]                              (GMEM)
-    q_ref,        # [batch, num_kv_heads, R, head_dim], zero rows past the group (R: `query_rows`)
+    q_ref,        # [batch, num_kv_heads, R, head_dim], zero rows past the group (R: `query_rows`),
+                  # or with rows_of_8: the query as it is, [batch * num_heads, head_dim]
     k_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]    (the cache)
     v_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]
-    alibi_ref,    # f32[num_kv_heads, R] or None
-    sinks_ref,    # f32[num_kv_heads, R] or None (finalize only; the merge adds them otherwise)
+    alibi_ref,    # f32[num_kv_heads, R] or None (rows_of_8: f32[num_heads])
+    sinks_ref,    # f32[num_kv_heads, R] or None (finalize only; the merge adds them otherwise;
+                  # rows_of_8: f32[num_heads])
     k_scale_ref,  # f32[1] or None (fp8)
     shift_ref,    # f32[batch, num_kv_heads] or None (fp8, bf16 query): the query's power of two
     v_scale_ref,  # f32[1] or None (fp8, finalize only; applied after the kernel otherwise)
@@ -353,6 +369,7 @@ def _paged_decode_kernel(
     compute_dtype,
     finalize: bool,
     out_dtype,
+    rows_of_8: bool = False,
     producer_only: bool = False,
 ):
     num_blocks, block_size, _, head_dim = k_ref.shape
@@ -368,7 +385,14 @@ def _paged_decode_kernel(
     page_lo, page_hi = first // block_size, jnp.maximum(n - 1, 0) // block_size
     convert = jnp.dtype(k_ref.dtype) != jnp.dtype(compute_dtype)
     v_ring = v_converted_stages(num_consumers)  # with fp8_v_in_producer: converted V tiles
-    q_rows = q_ref.shape[2]
+    q_rows = MMA_COLUMNS if rows_of_8 else q_ref.shape[2]
+    # rows_of_8 (`reads_rows_of_8`): the CTA reads the 8 query rows (and slopes, sinks) of the
+    # 8-aligned box that holds its group, which starts at column `group_column` of the scores;
+    # the other columns are neighbouring heads' queries, computed and never written.
+    head_row = (b * k_ref.shape[2] + h) * group if rows_of_8 else 0  # the group's first row
+    box_row = head_row // MMA_COLUMNS * MMA_COLUMNS
+    group_column = head_row - box_row  # 0 without rows_of_8
+    box_head = (h * group) // MMA_COLUMNS * MMA_COLUMNS  # the slopes' and sinks' box
     # The scores' layout: [q_rows, Tk] (queries in wgmma's M), or [Tk, q_rows] (queries_in_n).
     query_axis = 1 if queries_in_n else 0
     token_axis = 1 - query_axis
@@ -515,11 +539,18 @@ def _paged_decode_kernel(
         def _producer():
             if num_consumers > 1:
                 plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-            plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
-            if alibi_smem is not None:
-                plgpu.copy_gmem_to_smem(alibi_ref.at[h], alibi_smem, q_bar)
-            if sinks_smem is not None:
-                plgpu.copy_gmem_to_smem(sinks_ref.at[h], sinks_smem, q_bar)
+            if rows_of_8:
+                rows = pl.ds(pl.multiple_of(box_row, MMA_COLUMNS), MMA_COLUMNS)
+                heads = pl.ds(pl.multiple_of(box_head, MMA_COLUMNS), MMA_COLUMNS)
+                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_bar)
+                for ref, smem_ref in ((alibi_ref, alibi_smem), (sinks_ref, sinks_smem)):
+                    if smem_ref is not None:
+                        plgpu.copy_gmem_to_smem(ref.at[heads], smem_ref, q_bar)
+            else:
+                plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
+                for ref, smem_ref in ((alibi_ref, alibi_smem), (sinks_ref, sinks_smem)):
+                    if smem_ref is not None:
+                        plgpu.copy_gmem_to_smem(ref.at[h], smem_ref, q_bar)
 
             if fp8_v_in_producer:
                 produce_converting_v(vc_smem)
@@ -724,14 +755,15 @@ def _paged_decode_kernel(
         query = jax.lax.broadcasted_iota(jnp.int32, o.shape, query_axis)
         # zero rows past the group too: their values never reach the output, nor, through
         # E's zeros, an Inf or NaN of theirs the group's rows
-        o = jnp.where(per_query(has, o.shape) & (query < group), o, 0.0).astype(out_dtype)
+        in_group = (query >= group_column) & (query < group_column + group)
+        o = jnp.where(per_query(has, o.shape) & in_group, o, 0.0).astype(out_dtype)
         ml_smem[0] = jnp.where(present, m_total + jnp.log(l_total), -jnp.inf)
         if queries_in_n:
             o = transpose_to_rows(o, final_smem)
         final_smem.out[...] = o
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(final_smem.out.at[pl.ds(0, group)], out_ref.at[b, h])
-        plgpu.copy_smem_to_gmem(ml_smem.at[0, pl.ds(0, group)], lse_ref.at[b, h])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0, pl.ds(group_column, group)], lse_ref.at[b, h])
         plgpu.wait_smem_to_gmem(0)
 
     def transpose_to_rows(o_t, final_smem):
@@ -747,7 +779,8 @@ def _paged_decode_kernel(
                                       plgpu.Layout.WGMMA)
             o_t_smem.at[pl.ds(q_rows, k_rows - q_rows)].transpose((1, 0))[...] = zeros
         eye_shape = eye_smem.shape
-        eye = (jax.lax.broadcasted_iota(jnp.int32, eye_shape, 0)
+        # row i of the product is O^T's column i + group_column
+        eye = (jax.lax.broadcasted_iota(jnp.int32, eye_shape, 0) + group_column
                == jax.lax.broadcasted_iota(jnp.int32, eye_shape, 1)).astype(out_dtype)
         eye_smem[...] = plgpu.layout_cast(eye, plgpu.Layout.WGMMA)
         plgpu.commit_smem()
@@ -909,15 +942,22 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         shift = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(q_max / FP16_SAFE_MAX)), 0.0))
         q_grouped = q32 / shift[..., None, None]
     rows = query_rows(group, config)
+    rows_of_8 = reads_rows_of_8(config, num_heads=num_heads, group=group, finalize=finalize,
+                                converts_query=shift is not None)
 
     def per_query_operand(x):  # f32[num_heads] -> f32[kvh, rows], zeros past the group
         if x is None:
             return None
-        x = x.astype(jnp.float32).reshape(kvh, group)
+        x = x.astype(jnp.float32)
+        if rows_of_8:
+            return x
+        x = x.reshape(kvh, group)
         return x if rows == group else jnp.pad(x, ((0, 0), (0, rows - group)))
 
     q_padded = q_grouped.astype(compute_dtype)
-    if rows > group:  # one more XLA op (a launch): groups of 8, 16, ... need none
+    if rows_of_8:
+        q_padded = q_padded.reshape(batch * num_heads, head_dim)
+    elif rows > group:  # one more XLA op (a launch): groups of 8, 16, ... need none
         q_padded = jnp.pad(q_padded, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     # Interpret mode takes wgmma operands from shared memory only: the same numbers through the
     # converted tile in shared memory there.
@@ -929,7 +969,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         fp8_k_in_registers=k_in_registers,
         fp8_v_in_producer=config.fp8_v_in_producer and compute_dtype != k_cache.dtype,
         soft_cap=logits_soft_cap, window=sliding_window,
-        compute_dtype=compute_dtype, finalize=finalize, out_dtype=q.dtype,
+        compute_dtype=compute_dtype, finalize=finalize, out_dtype=q.dtype, rows_of_8=rows_of_8,
         producer_only=producer_only)
     optional = {  # inputs only some calls have, in the kernel's order
         "alibi": per_query_operand(alibi_slopes),
