@@ -108,3 +108,11 @@ def launched_ops(lowered_text: str) -> set[str]:
     `LAUNCH_FREE_OPS`: XLA computations of the program's own, each one more launch beside its
     kernels on a GPU."""
     return set(re.findall(r"(?<!#)stablehlo\.(\w+)", lowered_text)) - LAUNCH_FREE_OPS
+
+
+def assert_close_with_the_same_nans(got, expected, atol: float) -> None:
+    """NaN exactly where ``expected`` has NaN (as torch_ref propagates them), ``atol``-close
+    elsewhere."""
+    got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(expected), atol=atol, rtol=0)

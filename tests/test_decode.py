@@ -19,7 +19,7 @@ import pallas_paged as pp
 import torch_ref
 from pallas_paged.decode_attention import pallas_triton as decode_triton
 from oracle import oracle_paged_attention
-from paged_inputs import launched_ops, make_paged, to_numpy, to_torch
+from paged_inputs import assert_close_with_the_same_nans, launched_ops, make_paged, to_numpy, to_torch
 
 IMPLS = ("xla", "pallas")
 # Max abs error against torch_ref on the same inputs, outputs of order 1. bf16/fp16: one rounding
@@ -189,6 +189,31 @@ def test_i6_poisoned_unused_slots_change_nothing(rng, impl, fill):
     out = run_jax(poisoned, impl)
     assert np.isfinite(out).all()
     np.testing.assert_array_equal(out, run_jax(clean, impl))
+
+
+@pytest.mark.parametrize("config", (None,) + SPLIT_CONFIGS, ids=str)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("poisoned", ["query", "key"])
+def test_a_nan_query_or_key_propagates_as_in_torch_ref(rng, impl, config, poisoned):
+    """A NaN query head (or a NaN in one valid K row) gives NaN output rows and lse where
+    torch_ref's softmax does (not zero rows: only a sequence without keys is zeros), and changes
+    nothing else; with every merge (one split, the merge kernel, the merge inside the kernel)."""
+    if impl == "xla" and config is not None:
+        pytest.skip("the XLA path has no config")
+    paged = make_paged(rng, lens=[40, 9, 0, 70], num_heads=8, num_kv_heads=2, head_dim=32,
+                       block_size=16, dtype="float32")
+    paged.q[2, 3] = np.nan  # a zero-length row stays zeros
+    if poisoned == "query":
+        paged.q[0, 1] = np.nan
+    else:  # sequence 0, position 20, kv head 0: query heads 0-3
+        paged.k_cache[paged.block_tables[0, 1], 4, 0, 3] = np.nan
+    out, lse = run_jax(paged, impl, config, return_lse=True)
+    expected, expected_lse = run_torch(paged, return_lse=True)
+    nan_heads = [1] if poisoned == "query" else [0, 1, 2, 3]
+    assert np.isnan(out[0, nan_heads]).all() and np.isnan(lse[0, nan_heads]).all()
+    assert (out[2] == 0).all() and np.isneginf(lse[2]).all()
+    assert_close_with_the_same_nans(out, expected, ATOL["float32"])
+    assert_close_with_the_same_nans(lse, expected_lse, 1e-5)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -23,7 +23,8 @@ import pytest
 import pallas_paged as pp
 import torch_ref
 from oracle import fp8_e4m3fn_to_float, oracle_paged_attention
-from paged_inputs import NP_DTYPES, launched_ops, make_paged, to_numpy
+from paged_inputs import (NP_DTYPES, assert_close_with_the_same_nans, launched_ops, make_paged,
+                          to_numpy)
 from benchmarks import bench
 from pallas_paged.decode_attention import api, configs, mosaic_gpu
 from pallas_paged.decode_attention.configs import MosaicDecodeConfig
@@ -236,8 +237,7 @@ def test_groups_read_in_boxes_of_8_rows(rng, cache):
     paged.q = paged.q.astype(NP_DTYPES[dtype])
     scales = dict(k_scale=0.25, v_scale=0.75) if cache == "float8_e4m3fn" else {}
     config = in_n(ONE_SPLIT)
-    assert mosaic_gpu.reads_rows_of_8(config, num_heads=8, group=4, finalize=True,
-                                      converts_query=False)
+    assert mosaic_gpu.reads_rows_of_8(config, num_heads=8, group=4, finalize=True)
     assert_matches_oracle(paged, dtype, config, **scales, **every_option(rng, 8))
     clean = mosaic(paged, config, **scales)
     # sequence 2, query head 5 (kv head 1): column 5 of its own box, and of kv head 0's, whose
@@ -248,6 +248,40 @@ def test_groups_read_in_boxes_of_8_rows(rng, cache):
     others = np.ones(changed.shape[:2], bool)
     others[2, 5] = False
     np.testing.assert_array_equal(changed[others], clean[others])
+
+
+@pytest.mark.parametrize("config", [ONE_SPLIT, in_n(ONE_SPLIT), THREE_SPLITS,
+                                    in_n(THREE_SPLITS)], ids=str)
+def test_a_nan_query_propagates_as_in_torch_ref(rng, config):
+    """A NaN query head gives a NaN output row and lse, as torch_ref's softmax does, and changes
+    no other head: normalized in the kernel (its queries read in boxes of 8 rows with the queries
+    in N) or merged after it."""
+    paged = make_paged(rng, lens=[40, 9, 0, 70], num_heads=8, num_kv_heads=2, head_dim=64,
+                       block_size=16, dtype="bfloat16")
+    paged.q[0, 1] = np.nan
+    out, lse = mosaic(paged, config, return_lse=True)
+    expected, expected_lse = run_torch(paged, return_lse=True)
+    assert np.isnan(out[0, 1]).all() and np.isnan(lse[0, 1])
+    assert_close_with_the_same_nans(out, expected, ATOL["bfloat16"])
+    assert_close_with_the_same_nans(lse, expected_lse, 1e-4)
+
+
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+def test_a_non_finite_value_row_reaches_only_its_own_outputs(rng, value):
+    """An Inf or NaN in one valid V row of one dimension gives torch_ref's Inf or NaN in that
+    dimension of the group's outputs and nothing else: through the identity wgmma that turns the
+    normalized ``O^T`` into rows, where a product by its zeros would spread ``0 * Inf``."""
+    paged = make_paged(rng, lens=[40, 9, 0, 70], num_heads=8, num_kv_heads=2, head_dim=64,
+                       block_size=16, dtype="bfloat16")
+    block = paged.block_tables[3, 1]  # sequence 3's second page: positions 16-31
+    paged.v_cache[block, 5, 0, 7] = value  # position 21, kv head 0 (query heads 0-3), dim 7
+    out, lse = mosaic(paged, in_n(ONE_SPLIT), return_lse=True)
+    expected, expected_lse = run_torch(paged, return_lse=True)
+    assert not np.isfinite(out[3, :4, 7]).any()
+    assert_close_with_the_same_nans(out, expected, ATOL["bfloat16"])
+    np.testing.assert_array_equal(np.isinf(out), np.isinf(expected))
+    np.testing.assert_array_equal(np.sign(out[np.isinf(out)]), np.sign(expected[np.isinf(out)]))
+    assert_close_with_the_same_nans(lse, expected_lse, 1e-4)
 
 
 # --- SPEC invariants -------------------------------------------------------------------------------
@@ -731,32 +765,43 @@ def test_the_kernel_finalizes_where_it_costs_no_wave(batch, group, cache, config
 PADDED = {"pad", "convert"}  # jnp.pad: the pad, and its fill value's conversion
 
 
-@pytest.mark.parametrize("num_heads,kvh,config,expected", [
+FP8_QN = MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True, fp8_k_in_registers=True,
+                            fp8_v_in_producer=True)
+
+
+@pytest.mark.parametrize("num_heads,kvh,config,cache,expected", [
     # one part per (sequence, kv head): the kernel normalizes; a group of 8 in the queries-in-N
     # kernel's 8 columns needs no padding, nor does a group of 4 read in boxes of 8 rows
-    (16, 2, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), set()),
-    (8, 2, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), set()),
+    (16, 2, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), None, set()),
+    (8, 2, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), None, set()),
+    # an fp8 cache read with a bf16 query: the query converted to fp16 in the kernel too
+    (8, 2, FP8_QN, jnp.float8_e4m3fn, set()),
     # 4 heads in all (a box of 8 would pass the end), and any group in the 64 rows of the
-    # queries in M: the query padded
-    (4, 1, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), PADDED),
-    (16, 2, MosaicDecodeConfig(block_k=64, num_stages=2), PADDED),
-], ids=["g8_qn", "g4_qn_rows_of_8", "g4_qn_4_heads", "g8_qm"])
-def test_one_part_launches_its_kernel_without_a_merge(num_heads, kvh, config, expected,
+    # queries in M: the query padded (for fp8, divided into fp16's range first: a reduction)
+    (4, 1, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), None, PADDED),
+    (4, 1, FP8_QN, jnp.float8_e4m3fn, PADDED | {"abs", "reduce", "divide", "log", "ceil",
+                                                "maximum", "exponential", "multiply",
+                                                "broadcast_in_dim"}),
+    (16, 2, MosaicDecodeConfig(block_k=64, num_stages=2), None, PADDED),
+], ids=["g8_qn", "g4_qn_rows_of_8", "g4_qn_rows_of_8_fp8", "g4_qn_4_heads", "g4_qn_4_heads_fp8",
+        "g8_qm"])
+def test_one_part_launches_its_kernel_without_a_merge(num_heads, kvh, config, cache, expected,
                                                      monkeypatch):
     """Lowered for CUDA: with one part per (sequence, kv head) the kernel writes the normalized
     output and lse (sinks and v_scale included), so nothing follows it, and it reads the query
     unpadded where it can; every op XLA computes beside a kernel is one more launch per call (the
     merge, O^T's transpose and the query's pad were three)."""
     monkeypatch.setattr(mosaic_gpu, "check_device", lambda interpret: None)
-    args = _abstract(num_heads=num_heads, kvh=kvh, head_dim=128)
+    args = _abstract(num_heads=num_heads, kvh=kvh, head_dim=128, cache_dtype=cache)
     sinks = jax.ShapeDtypeStruct((num_heads,), jnp.float32)
+    scales = {} if cache is None else dict(k_scale=0.5, v_scale=0.25)
     fn = lambda *a: pp.decode(*a[:5], sinks=a[5], impl="mosaic", interpret=False,  # noqa: E731
-                              config=config, return_lse=True)
+                              config=config, return_lse=True, **scales)
     text = jax.jit(fn).trace(*args, sinks).lower(lowering_platforms=("cuda",)).as_text()
     assert "_final" in text
     assert launched_ops(text) == expected  # the sinks padded like the query, where it is
     plain = jax.jit(functools.partial(pp.decode, impl="mosaic", interpret=False, config=config,
-                                      return_lse=True)).trace(*args).lower(
+                                      return_lse=True, **scales)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert launched_ops(plain) == expected
 

@@ -22,7 +22,7 @@ import pallas_paged as pp
 import torch_ref
 from oracle import oracle_ragged_attention
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-from paged_inputs import launched_ops, make_paged, to_numpy, to_torch
+from paged_inputs import assert_close_with_the_same_nans, launched_ops, make_paged, to_numpy, to_torch
 from pallas_paged.ragged_attention.pallas_triton import interleave_short_programs, kv_tile_plan
 from test_decode import ATOL, IMPLS
 
@@ -664,3 +664,20 @@ def test_the_fp8_scales_reach_the_kernel_as_operands():
     fp8 = lowered(jnp.float8_e4m3fn, k_scale=0.5, v_scale=0.25)
     assert "pallas_paged_ragged" in fp8
     assert launched_ops(fp8) == launched_ops(lowered(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("config", (None,) + CONFIGS, ids=str)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_nan_query_propagates_as_in_torch_ref(rng, impl, config):
+    """A NaN query token head gives a NaN output row and lse, as torch_ref's softmax does, and
+    changes no other row (one split, and the merge of several)."""
+    if impl == "xla" and config is not None:
+        pytest.skip("the XLA path has no config")
+    problem = make_ragged(rng, [(3, 40), (1, 9), (5, 70)], pad=1, num_heads=8, num_kv_heads=2,
+                          head_dim=32, block_size=16, dtype="float32")
+    problem.q[4, 2] = np.nan  # the second sequence's only query token, head 2
+    out, lse = run_jax(problem, impl, config)
+    expected, expected_lse = run_torch(problem)
+    assert np.isnan(out[4, 2]).all() and np.isnan(lse[4, 2])
+    assert_close_with_the_same_nans(out, expected, ATOL["float32"])
+    assert_close_with_the_same_nans(lse, expected_lse, 1e-5)

@@ -107,7 +107,9 @@ def decode(
     ``n = context_lens[b]`` tokens in the first ``ceil(n / block_size)`` blocks of
     ``block_tables[b]`` (the rest of the row is never read); query head ``h`` uses kv head
     ``h // (num_heads // num_kv_heads)``; scores, softmax and the weighted sum are fp32 and the
-    output is cast once to ``q.dtype``; ``n == 0`` gives zeros. Optional, in this order:
+    output is cast once to ``q.dtype``; ``n == 0`` gives zeros, while a NaN in a query or a
+    valid K/V row gives NaN where torch_ref's softmax does (every kernel and path alike).
+    Optional, in this order:
     ``s * scale`` -> soft-cap -> ALiBi -> sliding window -> softmax with sink.
 
     A plain function that validates, then calls one jitted program keyed on the shapes, dtypes

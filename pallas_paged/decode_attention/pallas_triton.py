@@ -427,7 +427,8 @@ def _paged_decode_kernel(
         accs, m, l = with_sink(accs, m, l, sink)
     out_ref, lse_ref = out_refs
     for acc, c in zip(accs, part_cols):
-        out = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+        # l == 0: no key (a zero row); NaN (a NaN query or key) propagates, as in torch_ref
+        out = jnp.where(l[:, None] != 0, acc / jnp.where(l != 0, l, 1.0)[:, None], 0.0)
         plgpu.store(out_ref.at[b, h, rows[:, None], c[None, :]], out.astype(out_ref.dtype),
                     mask=out_mask)
     lse = jnp.where(n > 0, m + jnp.log(l), -jnp.inf)
@@ -503,7 +504,7 @@ def merge_partials_in_program(o_ref, m_ref, l_ref, sinks_ref, out_ref, lse_ref, 
 
     o_total = jax.lax.fori_loop(0, padded_splits // chunk, add_chunk,
                                 jnp.zeros((rows_p, padded_dim), jnp.float32))
-    has = present & (l_total > 0)  # [Gm]
+    has = present & (l_total != 0)  # [Gm]; a NaN sum propagates
     out = jnp.where(has[:, None], o_total / jnp.where(has, l_total, 1.0)[:, None], 0.0)
     plgpu.store(out_ref.at[b, h, rows[:, None], cols[None, :]], out.astype(out_ref.dtype),
                 mask=row_ok[:, None] & col_ok[None, :])
@@ -528,8 +529,8 @@ def _merge_splits(o, m, l, n, sinks):
                                                   None if sinks is None else sinks[None])
     o_total = jnp.sum(weight[..., None] * jnp.moveaxis(o, 2, 0), axis=0)
     has_rows = (n > 0)[:, None, None]
-    out = jnp.where(has_rows[..., None] & (l_total > 0)[..., None],
-                    o_total / jnp.where(l_total > 0, l_total, 1.0)[..., None], 0.0)
+    has = has_rows & (l_total != 0)  # a NaN sum (a NaN query or key) propagates, as in torch_ref
+    out = jnp.where(has[..., None], o_total / jnp.where(has, l_total, 1.0)[..., None], 0.0)
     lse = jnp.where(has_rows, m_total + jnp.log(l_total), -jnp.inf)
     return out, lse
 
@@ -557,13 +558,15 @@ def _merge_splits_kernel(
     m = plgpu.load(m_ref.at[b, h, splits, g], mask=split_ok, other=-jnp.inf)  # f32[Sp]
     l = plgpu.load(l_ref.at[b, h, splits, g], mask=split_ok, other=0.0)  # f32[Sp]
     m_seen = jnp.max(m)
-    present = (lens_ref[b] > 0) if lens_ref is not None else (m_seen > -jnp.inf)
     m_total, l_total, weight = merged_max_and_sum(  # f32[], f32[], f32[Sp]
         m, l, m_seen, None if sinks_ref is None else sinks_ref[h, g])
+    # ragged rows: present if a split saw a key, or a NaN (whose max the GPU's max may skip)
+    present = ((lens_ref[b] > 0) if lens_ref is not None
+               else (m_seen > -jnp.inf) | jnp.isnan(l_total))
     o = plgpu.load(o_ref.at[b, h, splits[:, None], g, cols[None, :]],
                    mask=split_ok[:, None] & col_ok[None, :], other=0.0)  # f32[Sp, Dp]
     o_total = jnp.sum(weight[:, None] * o, axis=0)  # f32[Dp]
-    ok = present & (l_total > 0)
+    ok = present & (l_total != 0)  # a NaN sum propagates
     out = jnp.where(ok, o_total / jnp.where(ok, l_total, 1.0), 0.0)
     plgpu.store(out_ref.at[b, h, g, cols], out.astype(out_ref.dtype), mask=col_ok)
     lse_ref[b, h, g] = jnp.where(present, m_total + jnp.log(l_total), -jnp.inf)

@@ -66,7 +66,8 @@ def paged_attention(
     ``j > p - W``); query head ``h`` uses kv head ``h // (num_heads // num_kv_heads)``; scores,
     softmax and the weighted sum are fp32, the output is cast once to ``q.dtype``. Optional, in
     this order: ``s * scale`` -> soft-cap -> ALiBi (``slope[h] * (j - p)``) -> sliding window ->
-    softmax with sink. Rows at or past ``query_start_loc[batch]`` (padding) are zeros.
+    softmax with sink. Rows at or past ``query_start_loc[batch]`` (padding) are zeros; a NaN in a
+    query or a valid K/V row gives NaN where torch_ref's softmax does.
     ``decode(q, ...)`` equals ``paged_attention(q, ..., query_start_loc=arange(batch + 1))``.
 
     A plain function that validates, then calls one jitted program keyed on the shapes, dtypes

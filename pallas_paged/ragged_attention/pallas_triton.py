@@ -303,7 +303,7 @@ def _ragged_attention_kernel(
             sink = plgpu.load(sinks_ref.at[head], mask=row_real, other=0)  # f32[M]
             accs, m, l = with_sink(accs, m, l, sink)
         o_ref, lse_ref = out_refs
-        ok = has_keys & (l > 0)
+        ok = has_keys & (l != 0)  # a NaN sum (a NaN query or key) propagates, as in torch_ref
         for acc, c in zip(accs, part_cols):
             out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
             plgpu.store(o_ref.at[q_row[:, None], c[None, :]], out.astype(o_ref.dtype),
