@@ -352,8 +352,10 @@ IMPL_CHOICES = ("mosaic", "pallas")
 # with the config decode picks); the run prints these entries ("mosaic" where it was at least 2%
 # faster on every shape of the class) beside its AUTO table of classes and speed ratios.
 # Empty: on an NVIDIA H200 (2026-12-01) the Mosaic kernel beat the Triton one only at B=1/ctx 32768
-# (bf16, D=128, group 4, block_size 16: 1.05x) and was slower elsewhere; the entries wait for a
-# run of the benchmark with both kernels side by side.
+# (bf16, D=128, group 4, block_size 16: 1.05x) and was slower elsewhere; on 2026-12-03, in one
+# launch, it was level at B=32/ctx 4096 (129.84 against 129.72 us, docs/BENCHMARKS.md, "One
+# launch per call"), short of the 2% a class needs; the entries wait for a run of the benchmark
+# with both kernels side by side.
 IMPL_CHOICE: dict[str, dict[tuple, str]] = {}
 
 
