@@ -14,7 +14,9 @@ import importlib
 import statistics
 import sys
 
-import numpy as np, jax, jax.numpy as jnp
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, sys.argv[1])
 old = importlib.import_module("pallas_triton_before")

@@ -127,15 +127,15 @@ def _write_rows_fp8_kernel(
 
 
 def write_pallas(k_flat, v_flat, k_rows, v_rows, slots, *, k_scale=None, v_scale=None,
-                 interpret: bool,
-                  elements_per_program: int = 4096, num_warps: int = 8):
+                 interpret: bool, elements_per_program: int = 4096, num_warps: int = 8):
     """Write ``k_rows`` / ``v_rows`` ``[num_tokens, row]`` at ``slots`` of the flat caches
     ``[num_slots, row]``; return the caches (the same buffers, aliased).
 
     One program copies ``elements_per_program / row_chunk`` tokens' rows (a chunk of each). With
     ``k_scale`` and ``v_scale`` (``f32[]`` each; required for, and only for, float8_e4m3fn
-    caches; two ``f32[1]`` operands of the kernel, `kernel_scale_operands`) the rows, of any float dtype, are quantized inside the kernel; otherwise they are in
-    the cache dtype and copied as they are.
+    caches; two ``f32[1]`` operands of the kernel, `kernel_scale_operands`) the rows, of any
+    float dtype, are quantized inside the kernel; otherwise they are in the cache dtype and
+    copied as they are.
 
     The defaults were the fastest of 8 variants for a 16K-token bf16 write on the H200
     (benchmarks/sweep_decode.py --write-only, docs/BENCHMARKS.md).

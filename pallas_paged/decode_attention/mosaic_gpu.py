@@ -82,8 +82,9 @@ from jax.experimental import pallas as pl
 
 from pallas_paged._platform import sm_count
 from pallas_paged.decode_attention.configs import MosaicDecodeConfig
-from pallas_paged.decode_attention.pallas_triton import (FP16_SAFE_MAX, _merge_splits, dot_dtype,
-                                                         tile_range)
+from pallas_paged.cache_write.fp8 import kernel_scale_operands
+from pallas_paged.decode_attention.pallas_triton import (FP16_SAFE_MAX, _merge_splits, divides,
+                                                         dot_dtype, tile_range)
 
 MIN_JAX = (0, 11, 2)  # plgpu.kernel with out_type / scratch_types and warpgroup semantics
 MMA_ROWS = 64  # wgmma's M: the query rows of a group, padded with zero queries
@@ -774,7 +775,7 @@ def _paged_decode_kernel(
         if sinks_smem is not None:
             l_total = l_total + jnp.exp(sink - m_total)
         present = jnp.zeros(m.shape, jnp.int32) + n > 0  # bool[q_rows] (a select takes no scalar)
-        has = (l_total != 0) & present  # a NaN sum (a NaN query or key) propagates
+        has = divides(l_total) & present
         o = o * per_query(weight, o.shape)
         o = o / per_query(jnp.where(has, l_total, 1.0), o.shape)
         query = jax.lax.broadcasted_iota(jnp.int32, o.shape, query_axis)
@@ -888,12 +889,17 @@ class FinalSmem(NamedTuple):
     out: Any
 
 
+def transposed_rows(q_rows: int) -> int:
+    """The K of the wgmma that turns ``O^T`` into rows: the query rows padded to wgmma's 16."""
+    return -(-q_rows // TRANSPOSE_K) * TRANSPOSE_K
+
+
 def final_smem_scratch(plgpu, q_rows: int, head_dim: int, out_dtype, queries_in_n: bool):
     """`FinalSmem`'s allocations (see there)."""
     out = plgpu.SMEM((MMA_ROWS, head_dim), out_dtype)
     if not queries_in_n:
         return FinalSmem(None, None, out)
-    k_rows = -(-q_rows // TRANSPOSE_K) * TRANSPOSE_K
+    k_rows = transposed_rows(q_rows)
     eye = mma_smem(plgpu, (MMA_ROWS, k_rows), out_dtype)
     # the two operands of one wgmma in one swizzle: E's, the narrower (its rows are K long)
     swizzle = mma_swizzle(k_rows * jnp.dtype(out_dtype).itemsize)
@@ -903,7 +909,7 @@ def final_smem_scratch(plgpu, q_rows: int, head_dim: int, out_dtype, queries_in_
 def final_smem_bytes(q_rows: int, head_dim: int, out_dtype, queries_in_n: bool) -> int:
     """The bytes of `final_smem_scratch`'s allocations."""
     itemsize = jnp.dtype(out_dtype).itemsize
-    k_rows = -(-q_rows // TRANSPOSE_K) * TRANSPOSE_K
+    k_rows = transposed_rows(q_rows)
     return itemsize * (MMA_ROWS * head_dim
                        + queries_in_n * (k_rows * head_dim + MMA_ROWS * k_rows))
 
@@ -1012,15 +1018,14 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         soft_cap=logits_soft_cap, window=sliding_window,
         compute_dtype=compute_dtype, finalize=finalize, out_dtype=q.dtype, rows_of_8=rows_of_8,
         query_to_fp16=converts_query and rows_of_8, producer_only=producer_only)
+    # fp8: the scales (python floats or traced f32[]) operands, so one program serves every scale
+    k_scale_operand, v_scale_operand = kernel_scale_operands(k_scale, v_scale)
     optional = {  # inputs only some calls have, in the kernel's order
         "alibi": per_query_operand(alibi_slopes),
         "sinks": per_query_operand(sinks) if finalize else None,
-        # fp8: k_scale (a python float or a traced f32[]) an operand, so one program serves every
-        # scale; reshaped, which takes no launch
-        "k_scale": None if k_scale is None else jnp.reshape(k_scale, (1,)).astype(jnp.float32),
+        "k_scale": k_scale_operand,
         "shift": shift,
-        "v_scale": (None if v_scale is None or not finalize
-                    else jnp.reshape(v_scale, (1,)).astype(jnp.float32)),
+        "v_scale": v_scale_operand if finalize else None,
     }
     present = [name for name, x in optional.items() if x is not None]
 

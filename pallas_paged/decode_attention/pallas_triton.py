@@ -427,12 +427,19 @@ def _paged_decode_kernel(
         accs, m, l = with_sink(accs, m, l, sink)
     out_ref, lse_ref = out_refs
     for acc, c in zip(accs, part_cols):
-        # l == 0: no key (a zero row); NaN (a NaN query or key) propagates, as in torch_ref
-        out = jnp.where(l[:, None] != 0, acc / jnp.where(l != 0, l, 1.0)[:, None], 0.0)
+        ok = divides(l)
+        out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
         plgpu.store(out_ref.at[b, h, rows[:, None], c[None, :]], out.astype(out_ref.dtype),
                     mask=out_mask)
     lse = jnp.where(n > 0, m + jnp.log(l), -jnp.inf)
     plgpu.store(lse_ref.at[b, h, rows], lse, mask=row_ok)
+
+
+def divides(l):
+    """Where a softmax's sum of exponentials ``l`` normalizes its row: everywhere but ``l == 0``
+    (no key: the row is zeros); a NaN sum (a NaN query or key) divides, so that the NaN propagates
+    as in torch_ref. Every kernel and merge decides with this."""
+    return l != 0
 
 
 def merged_max_and_sum(m, l, m_max, sink):
@@ -504,7 +511,7 @@ def merge_partials_in_program(o_ref, m_ref, l_ref, sinks_ref, out_ref, lse_ref, 
 
     o_total = jax.lax.fori_loop(0, padded_splits // chunk, add_chunk,
                                 jnp.zeros((rows_p, padded_dim), jnp.float32))
-    has = present & (l_total != 0)  # [Gm]; a NaN sum propagates
+    has = present & divides(l_total)  # [Gm]
     out = jnp.where(has[:, None], o_total / jnp.where(has, l_total, 1.0)[:, None], 0.0)
     plgpu.store(out_ref.at[b, h, rows[:, None], cols[None, :]], out.astype(out_ref.dtype),
                 mask=row_ok[:, None] & col_ok[None, :])
@@ -529,7 +536,7 @@ def _merge_splits(o, m, l, n, sinks):
                                                   None if sinks is None else sinks[None])
     o_total = jnp.sum(weight[..., None] * jnp.moveaxis(o, 2, 0), axis=0)
     has_rows = (n > 0)[:, None, None]
-    has = has_rows & (l_total != 0)  # a NaN sum (a NaN query or key) propagates, as in torch_ref
+    has = has_rows & divides(l_total)
     out = jnp.where(has[..., None], o_total / jnp.where(has, l_total, 1.0)[..., None], 0.0)
     lse = jnp.where(has_rows, m_total + jnp.log(l_total), -jnp.inf)
     return out, lse
@@ -566,7 +573,7 @@ def _merge_splits_kernel(
     o = plgpu.load(o_ref.at[b, h, splits[:, None], g, cols[None, :]],
                    mask=split_ok[:, None] & col_ok[None, :], other=0.0)  # f32[Sp, Dp]
     o_total = jnp.sum(weight[:, None] * o, axis=0)  # f32[Dp]
-    ok = present & (l_total != 0)  # a NaN sum propagates
+    ok = present & divides(l_total)
     out = jnp.where(ok, o_total / jnp.where(ok, l_total, 1.0), 0.0)
     plgpu.store(out_ref.at[b, h, g, cols], out.astype(out_ref.dtype), mask=col_ok)
     lse_ref[b, h, g] = jnp.where(present, m_total + jnp.log(l_total), -jnp.inf)

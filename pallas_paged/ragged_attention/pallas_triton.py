@@ -50,7 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_paged._platform import next_power_of_2
 from pallas_paged.cache_write.fp8 import kernel_scale_operands
 from pallas_paged.decode_attention.pallas_triton import (_dot_nn, _dot_nt, column_parts,
-                                                         dot_dtype, load_kv_parts,
+                                                         divides, dot_dtype, load_kv_parts,
                                                          merge_splits_pallas, query_for_dots,
                                                          slot_major, softmax_exp,
                                                          uses_fp8_pairs, with_sink)
@@ -303,7 +303,7 @@ def _ragged_attention_kernel(
             sink = plgpu.load(sinks_ref.at[head], mask=row_real, other=0)  # f32[M]
             accs, m, l = with_sink(accs, m, l, sink)
         o_ref, lse_ref = out_refs
-        ok = has_keys & (l != 0)  # a NaN sum (a NaN query or key) propagates, as in torch_ref
+        ok = has_keys & divides(l)
         for acc, c in zip(accs, part_cols):
             out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
             plgpu.store(o_ref.at[q_row[:, None], c[None, :]], out.astype(o_ref.dtype),
