@@ -176,11 +176,10 @@ def finalizes(config: MosaicDecodeConfig, *, batch: int, kvh: int, group: int, h
     - each (sequence, kv head) has one part (one split, one consumer): nothing to merge;
     - its ``group`` lse values are a multiple of 16 bytes (TMA copies them; a group of 1 or 2,
       as MHA's, is merged after the kernel);
-    - the shared memory it adds costs no wave. The output's staging (`final_smem_bytes`) lives
-      in the K/V ring's memory, so only a ring smaller than it, or an fp8 cache's bf16 query
-      box, adds bytes. (With a staging of its own, 22 KiB, the kernel took the CTAs at B=128 and
-      B=256 from two per multiprocessor to one on an H200 and lost 2.6% and 4.7% there, while
-      the launch saved bought 1.7% at B=32: docs/BENCHMARKS.md.)
+    - the output's shared memory (`final_smem_bytes`) costs no wave: on an H200 (2026-12-03) the
+      launch saved bought 1.7% at bf16 B=32 and 1.5% at fp8 B=32, while at B=128 and B=256 it
+      took the CTAs from two per multiprocessor to one and cost 2.6% and 4.7%
+      (docs/BENCHMARKS.md).
     """
     if config.num_splits * config.num_consumers != 1 or (group * 4) % 16:
         return False
@@ -219,16 +218,13 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
     """Shared memory one CTA of the kernel takes for a group of ``group`` query heads: the
     scratch of `_paged_decode_kernel` and `MOSAIC_OWN_SMEM_BYTES`. ``alibi``: with the slopes
     and the sinks (the worst case); ``finalize``: with the normalized output's staging
-    (`finalizes`; in the ring's memory, whose dtype has the compute dtype's size, both 16-bit)."""
+    (`finalizes`), whose dtype has the compute dtype's size (both are 16-bit)."""
     cache, compute = jnp.dtype(cache_dtype).itemsize, jnp.dtype(compute_dtype).itemsize
     tile = config.block_k * head_dim
     consumers = config.num_consumers
     rows = query_rows(group, config)
     total = rows * head_dim * compute                        # q
-    ring = 2 * config.num_stages * tile * cache              # the K and V ring
-    if finalize:  # the normalized output's staging shares the ring's memory (a RefUnion)
-        ring = max(ring, final_smem_bytes(rows, head_dim, compute_dtype, config.queries_in_n))
-    total += ring
+    total += 2 * config.num_stages * tile * cache            # the K and V ring
     convert = jnp.dtype(cache_dtype) != jnp.dtype(compute_dtype)
     v_in_producer = convert and config.fp8_v_in_producer
     v_ring = v_converted_stages(consumers)
@@ -239,8 +235,9 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
     total += consumers * rows * config.block_k * compute     # P
     total += consumers * rows * (head_dim + 2) * 4           # o, m, l
     total += 2 * rows * 4 * alibi                            # the slopes, the sinks
-    if finalize:                                             # (fp8) a bf16 query's box
-        total += convert * rows * head_dim * 2
+    if finalize:                                             # the normalized output
+        total += final_smem_bytes(rows, head_dim, compute_dtype, config.queries_in_n)
+        total += convert * rows * head_dim * 2               # (fp8) a bf16 query's box
     total += 8 * (1 + 3 * config.num_stages)                 # barriers
     total += 8 * 2 * v_ring * v_in_producer                  # the converted ring's barriers
     total += REDUCTION_SCRATCH_BYTES * reduction_pads(consumers, config.queries_in_n)  # pads
@@ -436,10 +433,9 @@ def _paged_decode_kernel(
         """f32[q_rows] broadcast along the other axis of ``shape``."""
         return jax.lax.broadcast_in_dim(vector, shape, [query_axis])
 
-    def body(q_smem, q_in_smem, ring, kc_smem, vc_smem, p_smem, alibi_smem, sinks_smem, o_smem,
-             ml_smem, q_bar, k_bars, v_bars, free_bars, vconv_bars, vfree_bars):
-        # ring: the K and V ring, with finalize a `plgpu.RefUnion` of it and `FinalSmem`
-        (k_smem, v_smem), final_smem = ring if finalize else (ring, None)
+    def body(q_smem, q_in_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, sinks_smem,
+             o_smem, ml_smem, final_smem, q_bar, k_bars, v_bars, free_bars, vconv_bars,
+             vfree_bars):
         # q_smem [R, D] (R = q_rows); k_smem, v_smem [stages, block_k, D] in the cache dtype; per
         # consumer (leading axis C): kc_smem, vc_smem [C, block_k, D] in compute_dtype (fp8
         # caches only, else None; kc_smem None with fp8_k_in_registers too; vc_smem the
@@ -447,9 +443,7 @@ def _paged_decode_kernel(
         # R, block_k] in compute_dtype, o_smem f32[C, R, D]
         # (queries_in_n: [C, D, R], O^T), ml_smem f32[C, 2, R]; q_in_smem: with query_to_fp16,
         # the query's box [R, D] as it is (bf16), else None; alibi_smem, sinks_smem f32[R] or
-        # None; final_smem: with finalize, `FinalSmem` (the normalized output on its way out),
-        # in the ring's memory: written only after the consumer has read its last tile, when
-        # every copy into the ring has landed and no warpgroup reads it any more.
+        # None; final_smem: with finalize, `FinalSmem` (the normalized output on its way out).
         # Barriers: q_bar (queries and slopes); k_bars[stages], v_bars[stages] (TMA done);
         # free_bars[stages] (a stage is done with: its consumer, and with fp8_v_in_producer the
         # producer too); with fp8_v_in_producer, vconv_bars[v_ring] (a converted V
@@ -857,15 +851,11 @@ def _paged_decode_kernel(
 
     cache_dtype = k_ref.dtype
     consumers = num_consumers
-    ring = tuple(smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True)
-                 for _ in range(2))  # K, V
-    if finalize:  # the output's staging reuses the ring's memory: it costs no shared memory
-        ring = plgpu.RefUnion(ring, final_smem_scratch(plgpu, q_rows, head_dim, out_dtype,
-                                                       queries_in_n))
     scratch = (
         smem((q_rows, head_dim), compute_dtype, mma_operand=True),
         smem((q_rows, head_dim), q_ref.dtype, mma_operand=True) if query_to_fp16 else None,
-        ring,
+        smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
+        smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
         (smem((consumers, block_k, head_dim), compute_dtype, mma_operand=True)
          if convert and not fp8_k_in_registers else None),
         (smem((v_ring if fp8_v_in_producer else consumers, block_k, head_dim),
@@ -875,6 +865,7 @@ def _paged_decode_kernel(
         smem((q_rows,), jnp.float32, mma_operand=False) if sinks_ref is not None else None,
         smem((consumers,) + acc_shape, jnp.float32, mma_operand=False),
         smem((consumers, 2, q_rows), jnp.float32, mma_operand=False),
+        final_smem_scratch(plgpu, q_rows, head_dim, out_dtype, queries_in_n) if finalize else None,
         # q (and the slopes, the sinks)
         plgpu.Barrier(num_arrivals=1 + (alibi_ref is not None) + (sinks_ref is not None)),
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
