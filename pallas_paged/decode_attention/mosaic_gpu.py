@@ -191,18 +191,20 @@ def finalizes(config: MosaicDecodeConfig, *, batch: int, kvh: int, group: int, h
     return waves[0] == waves[1]
 
 
-def reads_rows_of_8(config: MosaicDecodeConfig, *, num_heads: int, group: int,
-                    finalize: bool) -> bool:
+def reads_rows_of_8(config: MosaicDecodeConfig, *, num_heads: int, group: int, finalize: bool,
+                    converts_query: bool) -> bool:
     """Whether the kernel reads the query as it is, ``[batch * num_heads, head_dim]``, in boxes of
     8 aligned rows (TMA copies of a tiled shared-memory ref start at a multiple of its 8-row
     tiles), instead of a copy padded to 8 rows per kv head, which XLA would build before the
     kernel (one more launch): a group of 4 (or 2, 1) lies inside one such box, at column 0 or 4
     of the scores. Where the kernel finalizes (a merge after it would have to find each group's
     columns), with the queries in N and 8 of them per kv head, a group below 8 that divides it,
-    and ``num_heads`` a multiple of 8 (no box past the end). A bf16 query of an fp8 cache is then
-    converted to fp16 in the kernel too (`query_into_fp16` in `_paged_decode_kernel`)."""
+    ``num_heads`` a multiple of 8 (no box past the end), and no conversion of the query: fp8
+    caches read with a bf16 query divide it by a power of two in XLA first. (Divided per query
+    column inside the kernel instead, fp8 B=32 took 123.0 us against 92.9 us on an H200,
+    2026-12-03: a cost on every tile, docs/BENCHMARKS.md.)"""
     return (finalize and config.queries_in_n and group < MMA_COLUMNS
-            and MMA_COLUMNS % group == 0 and num_heads % MMA_COLUMNS == 0)
+            and MMA_COLUMNS % group == 0 and num_heads % MMA_COLUMNS == 0 and not converts_query)
 
 
 def query_rows(group: int, config: MosaicDecodeConfig) -> int:
@@ -237,7 +239,6 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
     total += 2 * rows * 4 * alibi                            # the slopes, the sinks
     if finalize:                                             # the normalized output
         total += final_smem_bytes(rows, head_dim, compute_dtype, config.queries_in_n)
-        total += convert * rows * head_dim * 2               # (fp8) a bf16 query's box
     total += 8 * (1 + 3 * config.num_stages)                 # barriers
     total += 8 * 2 * v_ring * v_in_producer                  # the converted ring's barriers
     total += REDUCTION_SCRATCH_BYTES * reduction_pads(consumers, config.queries_in_n)  # pads
@@ -372,7 +373,6 @@ def _paged_decode_kernel(
     finalize: bool,
     out_dtype,
     rows_of_8: bool = False,
-    query_to_fp16: bool = False,
     producer_only: bool = False,
 ):
     num_blocks, block_size, _, head_dim = k_ref.shape
@@ -433,16 +433,14 @@ def _paged_decode_kernel(
         """f32[q_rows] broadcast along the other axis of ``shape``."""
         return jax.lax.broadcast_in_dim(vector, shape, [query_axis])
 
-    def body(q_smem, q_in_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, sinks_smem,
-             o_smem, ml_smem, final_smem, q_bar, k_bars, v_bars, free_bars, vconv_bars,
-             vfree_bars):
+    def body(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, sinks_smem, o_smem,
+             ml_smem, final_smem, q_bar, k_bars, v_bars, free_bars, vconv_bars, vfree_bars):
         # q_smem [R, D] (R = q_rows); k_smem, v_smem [stages, block_k, D] in the cache dtype; per
         # consumer (leading axis C): kc_smem, vc_smem [C, block_k, D] in compute_dtype (fp8
         # caches only, else None; kc_smem None with fp8_k_in_registers too; vc_smem the
         # producer's ring [v_ring, block_k, D] with fp8_v_in_producer), p_smem [C,
         # R, block_k] in compute_dtype, o_smem f32[C, R, D]
-        # (queries_in_n: [C, D, R], O^T), ml_smem f32[C, 2, R]; q_in_smem: with query_to_fp16,
-        # the query's box [R, D] as it is (bf16), else None; alibi_smem, sinks_smem f32[R] or
+        # (queries_in_n: [C, D, R], O^T), ml_smem f32[C, 2, R]; alibi_smem, sinks_smem f32[R] or
         # None; final_smem: with finalize, `FinalSmem` (the normalized output on its way out).
         # Barriers: q_bar (queries and slopes); k_bars[stages], v_bars[stages] (TMA done);
         # free_bars[stages] (a stage is done with: its consumer, and with fp8_v_in_producer the
@@ -533,7 +531,7 @@ def _paged_decode_kernel(
                         vc_smem if fp8_v_in_producer or vc_smem is None else vc_smem.at[c],
                         p_smem.at[c], alibi_smem, o_smem.at[c], ml_smem.at[c], q_bar, k_bars,
                         v_bars, free_bars, vconv_bars, vfree_bars, store_v,
-                        sinks_smem=sinks_smem, final_smem=final_smem, q_in_smem=q_in_smem)
+                        sinks_smem=sinks_smem, final_smem=final_smem)
 
         # The consumers first: with the queries in N each consumer's reductions across its warps
         # get their own scratch, under scopes whose barriers every warpgroup passes at once.
@@ -547,8 +545,7 @@ def _paged_decode_kernel(
             if rows_of_8:
                 rows = pl.ds(pl.multiple_of(box_row, MMA_COLUMNS), MMA_COLUMNS)
                 heads = pl.ds(pl.multiple_of(box_head, MMA_COLUMNS), MMA_COLUMNS)
-                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem if q_in_smem is None else q_in_smem,
-                                        q_bar)
+                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_bar)
                 for ref, smem_ref in ((alibi_ref, alibi_smem), (sinks_ref, sinks_smem)):
                     if smem_ref is not None:
                         plgpu.copy_gmem_to_smem(ref.at[heads], smem_ref, q_bar)
@@ -578,7 +575,7 @@ def _paged_decode_kernel(
 
     def consume(c, q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem, ml_smem,
                 q_bar, k_bars, v_bars, free_bars, vconv_bars, vfree_bars, store_v, *, sinks_smem,
-                final_smem, q_in_smem):
+                final_smem):
         """Consumer ``c``: the online softmax over its tiles (``c, c + C, ...`` of the split),
         then its partial results, or with ``finalize`` the normalized output. The per-consumer
         refs come without their leading axis (``vc_smem``: the producer's whole ring with
@@ -595,8 +592,6 @@ def _paged_decode_kernel(
             score_scale = scale * k_scale_ref[0]
             if shift_ref is not None:
                 score_scale = shift_ref[b, h] * score_scale
-            if query_to_fp16:  # one power of two per query column: f32[q_rows]
-                score_scale = query_into_fp16(q_in_smem, q_smem) * score_scale
 
         def tile_body(i, carry, masked):
             # f32[q_rows, D] (queries_in_n: [D, q_rows]), f32[q_rows], f32[score_shape] (the sum
@@ -637,7 +632,7 @@ def _paged_decode_kernel(
                 @pl.when(step + num_stages < num_tiles)
                 def _free_k():
                     plgpu.barrier_arrive(free_bars.at[slot])
-            s = s * (per_query(score_scale, s.shape) if query_to_fp16 else score_scale)
+            s = s * score_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             if alibi_smem is not None:
@@ -737,24 +732,6 @@ def _paged_decode_kernel(
             def _free():
                 plgpu.barrier_arrive(free_bars.at[slot])
 
-    def query_into_fp16(q_in_smem, q_smem):
-        """``query_to_fp16``: the bf16 query box ``q_in_smem`` ``[q_rows, D]``, each column (query
-        head) divided by the power of two that brings its largest magnitude under 2**15 (exact,
-        as `decode_kernel_call` divides a group in XLA otherwise), converted to fp16 into
-        ``q_smem`` for the fp16 wgmmas. Returns the powers of two, f32[q_rows] (the scores are
-        multiplied back)."""
-        q_t = plgpu.load(q_in_smem.transpose((1, 0)), layout=plgpu.Layout.WGMMA)  # [D, q_rows]
-        q_t = q_t.astype(jnp.float32)
-        rest = jnp.max(jnp.abs(q_t), axis=0)  # f32[q_rows]
-        shift = jnp.ones_like(rest)
-        for bits in (64, 32, 16, 8, 4, 2, 1, 0):  # rest >= 2**(15 + bits): halve it 2**bits times
-            big = rest >= 2.0 ** (15 + bits)
-            rest = jnp.where(big, rest * 2.0 ** -max(bits, 1), rest)
-            shift = jnp.where(big, shift * 2.0 ** max(bits, 1), shift)
-        q_smem.transpose((1, 0))[...] = (q_t / per_query(shift, q_t.shape)).astype(compute_dtype)
-        plgpu.commit_smem()
-        return shift
-
     def write_final(acc, m, l, sinks_smem, ml_smem, final_smem):
         """The one part of this (sequence, kv head), normalized as `_merge_splits` normalizes one
         split (the same operations in the same order: ``v_scale``, the sink, the division; a row
@@ -853,7 +830,6 @@ def _paged_decode_kernel(
     consumers = num_consumers
     scratch = (
         smem((q_rows, head_dim), compute_dtype, mma_operand=True),
-        smem((q_rows, head_dim), q_ref.dtype, mma_operand=True) if query_to_fp16 else None,
         smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
         smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
         (smem((consumers, block_k, head_dim), compute_dtype, mma_operand=True)
@@ -979,13 +955,13 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     tables = block_tables.astype(jnp.int32)
     q_grouped = q.reshape(batch, kvh, group, head_dim)
     rows = query_rows(group, config)
-    rows_of_8 = reads_rows_of_8(config, num_heads=num_heads, group=group, finalize=finalize)
-    # fp8 with a bf16 query, for the fp16 wgmmas: the query divided by powers of two that bring
-    # it under 2**15 (exact), the scores multiplied back; in the kernel (a power per query
-    # column) where it reads the query as it is, else here (a power per group).
+    # fp8 with a bf16 query, for the fp16 wgmmas: the query divided by the power of two that brings
+    # each group's largest |q| under 2**15 (exact), the scores multiplied back in the kernel.
     converts_query = k_scale is not None and compute_dtype != q.dtype
+    rows_of_8 = reads_rows_of_8(config, num_heads=num_heads, group=group, finalize=finalize,
+                                converts_query=converts_query)
     shift = None
-    if converts_query and not rows_of_8:
+    if converts_query:
         q32 = q_grouped.astype(jnp.float32)
         q_max = jnp.max(jnp.abs(q32), axis=(2, 3))  # f32[batch, kvh]
         shift = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(q_max / FP16_SAFE_MAX)), 0.0))
@@ -1000,7 +976,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         x = x.reshape(kvh, group)
         return x if rows == group else jnp.pad(x, ((0, 0), (0, rows - group)))
 
-    if rows_of_8:  # as it is (a bf16 query for fp8 caches converted in the kernel)
+    if rows_of_8:  # as it is
         q_padded = q.reshape(batch * num_heads, head_dim)
     else:
         q_padded = q_grouped.astype(compute_dtype)
@@ -1017,7 +993,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         fp8_v_in_producer=config.fp8_v_in_producer and compute_dtype != k_cache.dtype,
         soft_cap=logits_soft_cap, window=sliding_window,
         compute_dtype=compute_dtype, finalize=finalize, out_dtype=q.dtype, rows_of_8=rows_of_8,
-        query_to_fp16=converts_query and rows_of_8, producer_only=producer_only)
+        producer_only=producer_only)
     # fp8: the scales (python floats or traced f32[]) operands, so one program serves every scale
     k_scale_operand, v_scale_operand = kernel_scale_operands(k_scale, v_scale)
     optional = {  # inputs only some calls have, in the kernel's order
