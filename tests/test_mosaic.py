@@ -237,7 +237,7 @@ def test_groups_read_in_boxes_of_8_rows(rng, cache):
     paged.q = paged.q.astype(NP_DTYPES[dtype])
     scales = dict(k_scale=0.25, v_scale=0.75) if cache == "float8_e4m3fn" else {}
     config = in_n(ONE_SPLIT)
-    assert mosaic_gpu.reads_rows_of_8(config, num_heads=8, group=4, finalize=True,
+    assert mosaic_gpu.reads_rows_of_8(config, num_heads=8, group=4, normalized_in_mosaic=True,
                                       converts_query=False)
     assert_matches_oracle(paged, dtype, config, **scales, **every_option(rng, 8))
     clean = mosaic(paged, config, **scales)
@@ -733,9 +733,19 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
         extra = ()
         fn = functools.partial(pp.decode, impl="mosaic", interpret=False, config=config, **kwargs)
     text = jax.jit(fn).trace(*args, *extra).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-    assert mosaic_gpu.KERNEL_NAME in text and "xla.gpu.triton" not in text
     ran = config or api.picked_config(args[0], args[1], args[3], impl="mosaic")
+    group = num_heads // args[1].shape[2]
+    finalize = mosaic_gpu.finalizes(ran, batch=args[0].shape[0], kvh=args[1].shape[2],
+                                    group=group, head_dim=args[0].shape[2],
+                                    cache_dtype=args[1].dtype,
+                                    compute_dtype=mosaic_gpu.dot_dtype(args[0].dtype,
+                                                                       args[1].dtype),
+                                    sm_count=mosaic_gpu.sm_count())
+    merges = mosaic_gpu.merges_in_mosaic(ran, group=group, head_dim=args[0].shape[2],
+                                         out_dtype=args[0].dtype, finalize=finalize)
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1 + merges
+    assert (mosaic_gpu.MERGE_KERNEL_NAME in text) == merges
+    assert mosaic_gpu.KERNEL_NAME in text and "xla.gpu.triton" not in text
     assert ("_qn" in text) == ran.queries_in_n
     assert ("_kreg" in text) == (ran.fp8_k_in_registers and args[1].dtype == jnp.float8_e4m3fn)
     assert ("_vprod" in text) == (ran.fp8_v_in_producer and args[1].dtype == jnp.float8_e4m3fn)
@@ -806,6 +816,71 @@ def test_one_part_launches_its_kernel_without_a_merge(num_heads, kvh, config, ca
                                       return_lse=True, **scales)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert launched_ops(plain) == expected
+
+
+@pytest.mark.parametrize("num_heads,kvh,cache,expected_merges", [
+    # B=1's 16 splits, a group of 4 read in boxes of 8 rows: the kernel, then the Mosaic merge
+    (32, 8, None, 1),
+    (32, 8, jnp.float8_e4m3fn, 1),   # the same for fp8 (v_scale and the sinks in the merge)
+    (64, 8, None, 1),                # a group of 8
+    (32, 32, None, 0),               # MHA: an lse row of 4 bytes, merged by XLA
+], ids=["g4", "g4_fp8", "g8", "mha"])
+def test_parts_are_merged_by_the_mosaic_merge_kernel(num_heads, kvh, cache, expected_merges,
+                                                     monkeypatch):
+    """Lowered for CUDA: where the heuristic splits (B=1, ctx 32768) and `merges_in_mosaic`, the
+    decode kernel is followed by the Mosaic merge kernel and by nothing XLA computes (for a
+    group of 4, not the query's pad either: the kernel reads it in boxes of 8 rows); else XLA
+    merges as before (its transpose among its ops)."""
+    monkeypatch.setattr(mosaic_gpu, "check_device", lambda interpret: None)
+    pages = 32768 // 16
+    cache_shape = jax.ShapeDtypeStruct((pages + 1, 16, kvh, 128), cache or jnp.bfloat16)
+    args = (jax.ShapeDtypeStruct((1, num_heads, 128), jnp.bfloat16), cache_shape, cache_shape,
+            jax.ShapeDtypeStruct((1, pages), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    config = api.picked_config(args[0], args[1], args[3], impl="mosaic")
+    assert config.num_splits > 1
+    sinks = jax.ShapeDtypeStruct((num_heads,), jnp.float32)
+    scales = {} if cache is None else dict(k_scale=0.5, v_scale=0.25)
+    fn = lambda *a: pp.decode(*a[:5], sinks=a[5], impl="mosaic", interpret=False,  # noqa: E731
+                              return_lse=True, **scales)
+    text = jax.jit(fn).trace(*args, sinks).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1 + expected_merges
+    assert (mosaic_gpu.MERGE_KERNEL_NAME in text) == bool(expected_merges)
+    ops = launched_ops(text)
+    if not expected_merges:
+        assert "transpose" in ops
+    elif cache is None:
+        assert ops == set()
+    else:  # the bf16 query divided into fp16's range first, and padded
+        assert ops == FP8_QUERY
+
+
+def test_merge_chunks_divide_the_parts_and_fit():
+    assert mosaic_gpu.merge_chunk(16, 128, 8) == 8      # 4 KiB per part, 32 KiB per copy
+    assert mosaic_gpu.merge_chunk(12, 128, 8) == 6
+    assert mosaic_gpu.merge_chunk(7, 128, 8) == 7
+    assert mosaic_gpu.merge_chunk(11, 128, 8) == 1
+    assert mosaic_gpu.merge_chunk(3, 128, 64) == 1      # 32 KiB per part
+    assert mosaic_gpu.merge_chunk(1, 64, 8) == 1
+
+
+@pytest.mark.parametrize("num_heads,kvh", [(8, 2), (16, 2)], ids=["g4_rows_of_8", "g8"])
+def test_the_merge_reads_its_parts_in_chunks(rng, num_heads, kvh, monkeypatch):
+    """One part per TMA copy of the merge kernel (its chunk lowered to 4 KiB), so that three
+    chunks pass through its two slots: every option, an empty row and a row shorter than a split,
+    against the oracle; fp8 with its scales."""
+    monkeypatch.setattr(mosaic_gpu, "MERGE_CHUNK_BYTES", 128 * 8 * 4)
+    config = in_n(THREE_SPLITS)
+    assert mosaic_gpu.merges_in_mosaic(config, group=num_heads // kvh, head_dim=128,
+                                       out_dtype=jnp.bfloat16, finalize=False)
+    assert mosaic_gpu.merge_chunk(3, 128, 8) == 1
+    paged = make_paged(rng, lens=[150, 0, 20], num_heads=num_heads, num_kv_heads=kvh,
+                       head_dim=128, block_size=16, dtype="bfloat16")
+    assert_matches_oracle(paged, "bfloat16", config, **every_option(rng, num_heads))
+    fp8 = make_paged(rng, lens=[150, 0, 20], num_heads=num_heads, num_kv_heads=kvh,
+                     head_dim=128, block_size=16, dtype="float8_e4m3fn")
+    fp8.q = fp8.q.astype(NP_DTYPES["float16"])
+    assert_matches_oracle(fp8, "float16", config, k_scale=0.25, v_scale=0.75,
+                          sinks=rng.standard_normal(num_heads).astype(np.float32))
 
 
 # --- the compiled kernel on a GPU ------------------------------------------------------------------

@@ -33,13 +33,18 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
    positions outside ``[first, n)``: each warpgroup walks its tiles in three loops, the masked
    tile body for those two and an unmasked one (no selects, no branch) for the rest.
    Each consumer writes its unnormalized ``(o, m, l)`` as one of the ``num_splits * C`` partial
-   results; `_merge_splits` (shared with the Triton kernel) combines them, adds the sink and
-   normalizes. Where one part is left per (sequence, kv head) and its shared memory costs no
-   wave (`finalizes`), the consumer normalizes instead and writes the output and lse: no merge.
-2. `decode_kernel_call` checks what the kernel supports, builds the padded (and, for fp8 caches,
-   range-shifted) query and calls the kernel over the grid ``(batch, num_kv_heads,
-   num_splits)``; `decode_mosaic` calls it, dequantizes the values and merges.
-3. `decode` (in ``api.py``) validates, resolves the scale and the config, and dispatches.
+   results. Where one part is left per (sequence, kv head) and its shared memory costs no wave
+   (`finalizes`), the consumer normalizes instead and writes the output and lse (`write_final`,
+   `write_normalized`): no merge.
+2. `_merge_parts_kernel` merges the parts otherwise, one warpgroup per (sequence, kv head): the
+   parts' max, their weighted sums (the parts' ``O^T`` read by TMA in chunks, one ahead), then
+   the same `write_normalized` (`merges_in_mosaic`: with the queries in N and groups of 4 or
+   more). For the queries in M and for groups of 1 or 2, `_merge_splits` (XLA, shared with the
+   Triton kernel) merges after `decode_mosaic` dequantizes the values.
+3. `decode_kernel_call` checks what the kernel supports, builds the padded (and, for fp8 caches,
+   range-shifted) query, calls the kernel over the grid ``(batch, num_kv_heads, num_splits)``
+   and the Mosaic merge where it applies; `decode_mosaic` calls it, and XLA's merge otherwise.
+4. `decode` (in ``api.py``) validates, resolves the scale and the config, and dispatches.
 
 Safety, by construction (values cannot raise under jit):
 
@@ -93,6 +98,7 @@ TRANSPOSE_K = 16  # wgmma's K for 16-bit operands: the rows of O^T's transposing
 SUPPORTED_HEAD_DIMS = (64, 128)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 KERNEL_NAME = "pallas_paged_decode_mosaic"
+MERGE_KERNEL_NAME = "pallas_paged_merge_mosaic"
 PRODUCER = 0  # the producer warpgroup; consumers are warpgroups 1 .. num_consumers
 # With several consumers the producer gives its registers to them (`consumer_registers`), whose
 # accumulators and scores live in registers.
@@ -191,20 +197,194 @@ def finalizes(config: MosaicDecodeConfig, *, batch: int, kvh: int, group: int, h
     return waves[0] == waves[1]
 
 
-def reads_rows_of_8(config: MosaicDecodeConfig, *, num_heads: int, group: int, finalize: bool,
-                    converts_query: bool) -> bool:
+def reads_rows_of_8(config: MosaicDecodeConfig, *, num_heads: int, group: int,
+                    normalized_in_mosaic: bool, converts_query: bool) -> bool:
     """Whether the kernel reads the query as it is, ``[batch * num_heads, head_dim]``, in boxes of
     8 aligned rows (TMA copies of a tiled shared-memory ref start at a multiple of its 8-row
     tiles), instead of a copy padded to 8 rows per kv head, which XLA would build before the
     kernel (one more launch): a group of 4 (or 2, 1) lies inside one such box, at column 0 or 4
-    of the scores. Where the kernel finalizes (a merge after it would have to find each group's
-    columns), with the queries in N and 8 of them per kv head, a group below 8 that divides it,
+    of the scores. Where Mosaic code normalizes the output (the kernel itself, `finalizes`, or
+    the merge kernel after it, `merges_in_mosaic`: both find each group's columns; XLA's merge
+    would not), with the queries in N and 8 of them per kv head, a group below 8 that divides it,
     ``num_heads`` a multiple of 8 (no box past the end), and no conversion of the query: fp8
     caches read with a bf16 query divide it by a power of two in XLA first. (Divided per query
     column inside the kernel instead, fp8 B=32 took 123.0 us against 92.9 us on an H200,
     2026-12-03: a cost on every tile, docs/BENCHMARKS.md.)"""
-    return (finalize and config.queries_in_n and group < MMA_COLUMNS
+    return (normalized_in_mosaic and config.queries_in_n and group < MMA_COLUMNS
             and MMA_COLUMNS % group == 0 and num_heads % MMA_COLUMNS == 0 and not converts_query)
+
+
+MERGE_CHUNK_BYTES = 32 * 1024  # the parts' O^T one TMA of the merge kernel brings in
+
+
+def merge_chunk(parts: int, head_dim: int, q_rows: int) -> int:
+    """The parts per TMA copy of `merge_parts_mosaic` (a divisor of ``parts``): as many as fit in
+    `MERGE_CHUNK_BYTES`, at least one."""
+    fit = max(1, MERGE_CHUNK_BYTES // (head_dim * q_rows * 4))
+    return max(d for d in range(1, min(parts, fit) + 1) if parts % d == 0)
+
+
+def merge_smem_bytes(parts: int, head_dim: int, q_rows: int, out_dtype) -> int:
+    """Shared memory of one CTA of `merge_parts_mosaic`."""
+    chunk = merge_chunk(parts, head_dim, q_rows)
+    total = 2 * chunk * head_dim * q_rows * 4        # two slots of the parts' O^T
+    total += (2 * parts + 2) * q_rows * 4             # m, l; the sinks, the lse
+    total += final_smem_bytes(q_rows, head_dim, out_dtype, queries_in_n=True)
+    return total + 8 * 3 + MOSAIC_OWN_SMEM_BYTES      # barriers
+
+
+def merges_in_mosaic(config: MosaicDecodeConfig, *, group: int, head_dim: int, out_dtype,
+                     finalize: bool) -> bool:
+    """Whether the parts are merged by `merge_parts_mosaic` (one launch) instead of XLA's
+    `_merge_splits` (a transpose and reductions: two launches or more): where the kernel does
+    not finalize, with the queries in N (the parts are ``O^T``), and the group's lse values a
+    multiple of 16 bytes (TMA copies them; MHA's group of 1 is merged by XLA)."""
+    parts = config.num_splits * config.num_consumers
+    q_rows = query_rows(group, config)
+    return (not finalize and config.queries_in_n and (group * 4) % 16 == 0
+            and merge_smem_bytes(parts, head_dim, q_rows, out_dtype) <= MAX_SMEM_BYTES)
+
+
+def _merge_parts_kernel(
+    lens_ref,     # i32[batch]                                          (GMEM)
+    o_ref,        # f32[batch, kvh, P, head_dim, R]: each part's O^T, unnormalized
+    m_ref,        # f32[batch, kvh, P, R]: each part's running max (-inf: it saw no key)
+    l_ref,        # f32[batch, kvh, P, R]: each part's sum of exponentials
+    sinks_ref,    # f32[kvh, R] or None (rows_of_8: f32[num_heads])
+    v_scale_ref,  # f32[1] or None (fp8)
+    out_ref,      # [batch, kvh, group, head_dim] in out_dtype
+    lse_ref,      # f32[batch, kvh, group]
+    o_smem,       # f32[2, chunk, head_dim, R]: two slots of `chunk` parts' O^T
+    ml_smem,      # f32[2, P, R]: every part's m and l
+    sinks_smem,   # f32[R] or None
+    lse_smem,     # f32[R]
+    final_smem,   # `FinalSmem`
+    ml_bar,       # m, l and the sinks copied
+    o_bars,       # [2]: a slot's parts copied
+    *,
+    plgpu,
+    group: int,
+    capacity: int,
+    rows_of_8: bool,
+    out_dtype,
+):
+    """`_merge_splits` for one (sequence, kv head) of the decode kernel's parts, in one
+    warpgroup: the parts' max, then their weighted sums of ``l`` and ``O^T`` (read in chunks of
+    parts, one TMA ahead), normalized and written as the kernel writes one part
+    (`write_normalized`). With ``rows_of_8`` the parts' columns are the kernel's box of 8 query
+    rows, the group at its column ``group_column``."""
+    b = jax.lax.axis_index("batch")
+    h = jax.lax.axis_index("kv_head")
+    kvh, parts, head_dim, q_rows = o_ref.shape[1:]
+    chunk = o_smem.shape[1]
+    chunks = parts // chunk
+    n = jnp.clip(lens_ref[b], 0, capacity)
+    head_row = (b * kvh + h) * group if rows_of_8 else 0
+    group_column = head_row % MMA_COLUMNS if rows_of_8 else 0
+    box_head = (h * group) // MMA_COLUMNS * MMA_COLUMNS
+    per_query_layout = plgpu.Layout.WGMMA.reduce(0)  # f32[R] beside O^T [head_dim, R]
+
+    def fetch(c, slot):
+        plgpu.copy_gmem_to_smem(o_ref.at[b, h, pl.ds(c * chunk, chunk)], o_smem.at[slot],
+                                o_bars.at[slot])
+
+    fetch(0, 0)
+    plgpu.copy_gmem_to_smem(m_ref.at[b, h], ml_smem.at[0], ml_bar)
+    plgpu.copy_gmem_to_smem(l_ref.at[b, h], ml_smem.at[1], ml_bar)
+    if sinks_ref is not None:
+        sinks_src = (sinks_ref.at[pl.ds(pl.multiple_of(box_head, MMA_COLUMNS), MMA_COLUMNS)]
+                     if rows_of_8 else sinks_ref.at[h])
+        plgpu.copy_gmem_to_smem(sinks_src, sinks_smem, ml_bar)
+    plgpu.barrier_wait(ml_bar)
+
+    def row(ref):  # f32[R]
+        return plgpu.load(ref, layout=per_query_layout)
+
+    m_max = jax.lax.fori_loop(1, parts, lambda p, mx: jnp.maximum(mx, row(ml_smem.at[0, p])),
+                              row(ml_smem.at[0, 0]))
+    sink = None if sinks_smem is None else row(sinks_smem)
+    m_total = finite_total_max(m_max, sink)
+
+    def add_chunk(c, carry):
+        o, l_total = carry
+        slot = jax.lax.rem(c, 2)
+
+        @pl.when(c + 1 < chunks)
+        def _fetch_next():
+            plgpu.commit_smem()  # every thread is done reading the other slot (chunk c - 1)
+            fetch(c + 1, 1 - slot)
+
+        plgpu.barrier_wait(o_bars.at[slot])
+        for j in range(chunk):
+            p = c * chunk + j
+            weight = jnp.exp(row(ml_smem.at[0, p]) - m_total)  # 0 for a part with no key
+            l_total = l_total + weight * row(ml_smem.at[1, p])
+            o_p = plgpu.load(o_smem.at[slot, j], layout=plgpu.Layout.WGMMA)
+            if v_scale_ref is not None:  # P V is linear in V: dequantize each part's sum
+                o_p = o_p * v_scale_ref[0]
+            o = o + o_p * per_query_axis(weight, o_p.shape, 1)
+        return o, l_total
+
+    o, l_total = jax.lax.fori_loop(
+        0, chunks, add_chunk,
+        (plgpu.layout_cast(jnp.zeros((head_dim, q_rows), jnp.float32), plgpu.Layout.WGMMA),
+         plgpu.layout_cast(jnp.zeros((q_rows,), jnp.float32), per_query_layout)))
+    if sink is not None:
+        l_total = l_total + jnp.exp(sink - m_total)
+    write_normalized(plgpu, o, m_total, l_total, n=n, b=b, h=h, group=group,
+                     group_column=group_column, queries_in_n=True, out_dtype=out_dtype,
+                     final_smem=final_smem, lse_smem=lse_smem, out_ref=out_ref, lse_ref=lse_ref)
+
+
+def merge_parts_mosaic(o, m, l, lens, sinks, v_scale, *, group: int, capacity: int,
+                       rows_of_8: bool, out_dtype, interpret: bool):
+    """`_merge_splits` of the decode kernel's parts as one Mosaic GPU kernel over the grid
+    ``(batch, num_kv_heads)`` (`_merge_parts_kernel`), where `merges_in_mosaic`.
+
+    Args:
+      o: f32[batch, kvh, P, head_dim, R], each part's ``O^T`` as the kernel writes it (every
+        column of its ``R`` query rows); m, l: f32[batch, kvh, P, R].
+      lens: i32[batch], the sequence lengths (clamped to ``capacity`` here).
+      sinks: f32[kvh, R] (zeros past the group) or None; with ``rows_of_8`` f32[num_heads].
+      v_scale: f32[1] or None.
+      rows_of_8: the kernel read the query in boxes of 8 rows (`reads_rows_of_8`).
+
+    Returns:
+      ``(out [batch, kvh, group, head_dim] in out_dtype, lse f32[batch, kvh, group])``.
+    """
+    plgpu = _plgpu()
+    batch, kvh, parts, head_dim, q_rows = o.shape
+    chunk = merge_chunk(parts, head_dim, q_rows)
+    scratch = (
+        plgpu.SMEM((2, chunk, head_dim, q_rows), jnp.float32),
+        plgpu.SMEM((2, parts, q_rows), jnp.float32),
+        None if sinks is None else plgpu.SMEM((q_rows,), jnp.float32),
+        plgpu.SMEM((q_rows,), jnp.float32),
+        final_smem_scratch(plgpu, q_rows, head_dim, out_dtype, queries_in_n=True),
+        plgpu.Barrier(num_arrivals=2 + (sinks is not None)),
+        plgpu.Barrier(num_barriers=2),
+    )
+    body = functools.partial(_merge_parts_kernel, plgpu=plgpu, group=group, capacity=capacity,
+                             rows_of_8=rows_of_8, out_dtype=out_dtype)
+    optional = {"sinks": sinks, "v_scale": v_scale}
+    present = [name for name, x in optional.items() if x is not None]
+
+    def kernel_body(lens_r, o_r, m_r, l_r, *rest):
+        given = dict(zip(present, rest))
+        refs = (lens_r, o_r, m_r, l_r, *(given.get(name) for name in optional),
+                *rest[len(present):])
+        pl.run_scoped(lambda *scratch_refs: body(*refs, *scratch_refs), *scratch)
+
+    return plgpu.kernel(
+        kernel_body,
+        out_type=(jax.ShapeDtypeStruct((batch, kvh, group, head_dim), out_dtype),
+                  jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32)),
+        grid=(batch, kvh),
+        grid_names=("batch", "kv_head"),
+        kernel_name=f"{MERGE_KERNEL_NAME}_p{parts}_g{group}_d{head_dim}",
+        compiler_params=plgpu.CompilerParams(**COMPILER_PARAMS),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(lens, o, m, l, *(optional[name] for name in present))
 
 
 def query_rows(group: int, config: MosaicDecodeConfig) -> int:
@@ -431,7 +611,7 @@ def _paged_decode_kernel(
 
     def per_query(vector, shape):
         """f32[q_rows] broadcast along the other axis of ``shape``."""
-        return jax.lax.broadcast_in_dim(vector, shape, [query_axis])
+        return per_query_axis(vector, shape, query_axis)
 
     def body(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, sinks_smem, o_smem,
              ml_smem, final_smem, q_bar, k_bars, v_bars, free_bars, vconv_bars, vfree_bars):
@@ -734,78 +914,22 @@ def _paged_decode_kernel(
 
     def write_final(acc, m, l, sinks_smem, ml_smem, final_smem):
         """The one part of this (sequence, kv head), normalized as `_merge_splits` normalizes one
-        split (the same operations in the same order: ``v_scale``, the sink, the division; a row
-        with ``n == 0`` gives zeros and ``lse = -inf``), written to ``out`` and ``lse``: no merge
-        after the kernel. With the queries in N, ``O^T`` is turned into ``O``'s rows by one more
-        wgmma, ``O = E (O^T)^T`` with ``E`` the identity (exact: each output is one product by
-        1.0), since a transposed store of its registers to memory that TMA can copy row by row
-        has no layout in Mosaic GPU."""
+        split (the same operations in the same order: ``v_scale``, the sink, the division),
+        written to ``out`` and ``lse`` (`write_normalized`): no merge after the kernel."""
         out_ref, lse_ref = out_refs
         o = acc if v_scale_ref is None else acc * v_scale_ref[0]
-        m_total = m
+        sink = None
         if sinks_smem is not None:
             sink = plgpu.load(sinks_smem, layout=plgpu.Layout.WGMMA.reduce(token_axis))
-            m_total = jnp.maximum(m, sink)
-        m_total = jnp.where(jnp.abs(m_total) < jnp.inf, m_total, 0.0)
+        m_total = finite_total_max(m, sink)
         weight = jnp.exp(m - m_total)  # f32[q_rows], 0 where this part saw no key
         l_total = weight * l
-        if sinks_smem is not None:
+        if sink is not None:
             l_total = l_total + jnp.exp(sink - m_total)
-        present = jnp.zeros(m.shape, jnp.int32) + n > 0  # bool[q_rows] (a select takes no scalar)
-        has = divides(l_total) & present
-        o = o * per_query(weight, o.shape)
-        o = o / per_query(jnp.where(has, l_total, 1.0), o.shape)
-        query = jax.lax.broadcasted_iota(jnp.int32, o.shape, query_axis)
-        # zero rows past the group too: their values never reach the output, nor, through
-        # E's zeros, an Inf or NaN of theirs the group's rows
-        in_group = (query >= group_column) & (query < group_column + group)
-        o = jnp.where(per_query(has, o.shape) & in_group, o, 0.0)
-        ml_smem[0] = jnp.where(present, m_total + jnp.log(l_total), -jnp.inf)
-        o = transpose_to_rows(o, final_smem) if queries_in_n else o.astype(out_dtype)
-        final_smem.out[...] = o
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(final_smem.out.at[pl.ds(0, group)], out_ref.at[b, h])
-        plgpu.copy_smem_to_gmem(ml_smem.at[0, pl.ds(group_column, group)], lse_ref.at[b, h])
-        plgpu.wait_smem_to_gmem(0)
-
-    def transpose_to_rows(o_t, final_smem):
-        """``O^T`` (f32 ``[head_dim, q_rows]``, WGMMA layout) as ``O`` in out_dtype, padded to
-        wgmma's 64 rows (WGMMA layout), row ``i`` being column ``i + group_column``: ``O^T``
-        rounded to out_dtype into ``final_smem.o_t`` (``[K, head_dim]``, ``K`` the query rows
-        padded to wgmma's K of 16 with zeros) by the transposed store P^T takes, then ``E [64, K]
-        @ o_t`` with ``E`` the shifted identity. A product by E's zeros would turn an Inf or NaN
-        of one column into NaN in every row (``0 * Inf``), so the finite values go through it with
-        the others zeroed, and a second product carries a code of the others (1 NaN, 2 +Inf,
-        3 -Inf), exact in any 16-bit float."""
-        o_t_smem, eye_smem = final_smem.o_t, final_smem.eye
-        k_rows = o_t_smem.shape[0]
-        if k_rows > q_rows:
-            zeros = plgpu.layout_cast(jnp.zeros((head_dim, k_rows - q_rows), out_dtype),
-                                      plgpu.Layout.WGMMA)
-            o_t_smem.at[pl.ds(q_rows, k_rows - q_rows)].transpose((1, 0))[...] = zeros
-        eye_shape = eye_smem.shape
-        # row i of the product is O^T's column i + group_column
-        eye = (jax.lax.broadcasted_iota(jnp.int32, eye_shape, 0) + group_column
-               == jax.lax.broadcasted_iota(jnp.int32, eye_shape, 1)).astype(out_dtype)
-        eye_smem[...] = plgpu.layout_cast(eye, plgpu.Layout.WGMMA)
-
-        def rows_of(columns):  # f32[head_dim, q_rows] -> f32[64, head_dim] through E
-            o_t_smem.at[pl.ds(0, q_rows)].transpose((1, 0))[...] = columns.astype(out_dtype)
-            plgpu.commit_smem()
-
-            def product(acc_ref):
-                plgpu.wgmma(acc_ref, eye_smem, o_t_smem)
-                return acc_ref[...]
-
-            return pl.run_scoped(product, plgpu.ACC((MMA_ROWS, head_dim), jnp.float32))
-
-        finite = jnp.abs(o_t) < jnp.inf
-        values = rows_of(jnp.where(finite, o_t, 0.0))
-        codes = rows_of(jnp.where(finite, 0.0, jnp.where(o_t != o_t, 1.0,
-                                                          jnp.where(o_t > 0, 2.0, 3.0))))
-        rows = jnp.where(codes == 1.0, jnp.nan, jnp.where(codes == 2.0, jnp.inf, jnp.where(
-            codes == 3.0, -jnp.inf, values)))
-        return rows.astype(out_dtype)
+        write_normalized(plgpu, o * per_query(weight, o.shape), m_total, l_total, n=n, b=b, h=h,
+                         group=group, group_column=group_column, queries_in_n=queries_in_n,
+                         out_dtype=out_dtype, final_smem=final_smem, lse_smem=ml_smem.at[0],
+                         out_ref=out_ref, lse_ref=lse_ref)
 
     def write_partials(c, acc, m, l, o_smem, ml_smem):
         """Consumer ``c``'s unnormalized ``(o, m, l)``, through shared memory to its part."""
@@ -852,6 +976,92 @@ def _paged_decode_kernel(
         plgpu.Barrier(num_barriers=v_ring) if fp8_v_in_producer else None,
     )
     pl.run_scoped(body, *scratch, collective_axes="wg")
+
+
+def per_query_axis(vector, shape, query_axis: int):
+    """f32[q_rows] broadcast along the other axis of ``shape`` (its queries on ``query_axis``)."""
+    return jax.lax.broadcast_in_dim(vector, shape, [query_axis])
+
+
+def finite_total_max(m_max, sink):
+    """The merged running max of `merged_max_and_sum`: ``m_max`` (the parts' max, f32[q_rows])
+    with the sink's logit, 0 where neither saw a finite logit (the weights stay finite)."""
+    m_total = m_max if sink is None else jnp.maximum(m_max, sink)
+    return jnp.where(jnp.abs(m_total) < jnp.inf, m_total, 0.0)
+
+
+def write_normalized(plgpu, o, m_total, l_total, *, n, b, h, group: int, group_column,
+                     queries_in_n: bool, out_dtype, final_smem, lse_smem, out_ref, lse_ref):
+    """The end of a softmax over all parts of one (sequence, kv head), as `_merge_splits` ends it:
+    ``out = o / l_total`` where `divides` (else zeros; a row with ``n == 0`` gives zeros and ``lse
+    = -inf``), ``lse = m_total + log(l_total)``, written to ``out_ref[b, h]`` ``[group, D]`` and
+    ``lse_ref[b, h]`` ``[group]`` by TMA.
+
+    ``o``: f32, the parts' weighted sum of values (``v_scale`` applied), ``[D, R]`` with the
+    queries in N (``O^T``, turned into rows by `transpose_to_rows`) else ``[R, D]``; the group's
+    queries are its columns (rows) ``group_column .. group_column + group - 1``. ``m_total``,
+    ``l_total``: f32[R]. ``lse_smem``: f32[R] shared memory, ``final_smem``: `FinalSmem`.
+    """
+    query_axis = 1 if queries_in_n else 0
+    present = jnp.zeros(m_total.shape, jnp.int32) + n > 0  # bool[R] (a select takes no scalar)
+    has = divides(l_total) & present
+    o = o / per_query_axis(jnp.where(has, l_total, 1.0), o.shape, query_axis)
+    query = jax.lax.broadcasted_iota(jnp.int32, o.shape, query_axis)
+    # zero rows past the group too: their values never reach the output, nor, through
+    # E's zeros, an Inf or NaN of theirs the group's rows
+    in_group = (query >= group_column) & (query < group_column + group)
+    o = jnp.where(per_query_axis(has, o.shape, query_axis) & in_group, o, 0.0)
+    lse_smem[...] = jnp.where(present, m_total + jnp.log(l_total), -jnp.inf)
+    if queries_in_n:
+        o = transpose_to_rows(plgpu, o, final_smem, group_column=group_column,
+                              out_dtype=out_dtype)
+    final_smem.out[...] = o.astype(out_dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(final_smem.out.at[pl.ds(0, group)], out_ref.at[b, h])
+    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(group_column, group)], lse_ref.at[b, h])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def transpose_to_rows(plgpu, o_t, final_smem, *, group_column, out_dtype):
+    """``O^T`` (f32 ``[head_dim, q_rows]``, WGMMA layout) as ``O`` in out_dtype, padded to
+    wgmma's 64 rows (WGMMA layout), row ``i`` being column ``i + group_column``: ``O^T``
+    rounded to out_dtype into ``final_smem.o_t`` (``[K, head_dim]``, ``K`` the query rows
+    padded to wgmma's K of 16 with zeros) by the transposed store P^T takes, then ``E [64, K]
+    @ o_t`` with ``E`` the shifted identity (exact: each output is one product by 1.0), since a
+    transposed store of f32 registers to memory that TMA can copy row by row has no layout in
+    Mosaic GPU. A product by E's zeros would turn an Inf or NaN of one column into NaN in every
+    row (``0 * Inf``), so the finite values go through it with the others zeroed, and a second
+    product carries a code of the others (1 NaN, 2 +Inf, 3 -Inf), exact in any 16-bit float."""
+    head_dim, q_rows = o_t.shape
+    o_t_smem, eye_smem = final_smem.o_t, final_smem.eye
+    k_rows = o_t_smem.shape[0]
+    if k_rows > q_rows:
+        zeros = plgpu.layout_cast(jnp.zeros((head_dim, k_rows - q_rows), out_dtype),
+                                  plgpu.Layout.WGMMA)
+        o_t_smem.at[pl.ds(q_rows, k_rows - q_rows)].transpose((1, 0))[...] = zeros
+    eye_shape = eye_smem.shape
+    # row i of the product is O^T's column i + group_column
+    eye = (jax.lax.broadcasted_iota(jnp.int32, eye_shape, 0) + group_column
+           == jax.lax.broadcasted_iota(jnp.int32, eye_shape, 1)).astype(out_dtype)
+    eye_smem[...] = plgpu.layout_cast(eye, plgpu.Layout.WGMMA)
+
+    def rows_of(columns):  # f32[head_dim, q_rows] -> f32[64, head_dim] through E
+        o_t_smem.at[pl.ds(0, q_rows)].transpose((1, 0))[...] = columns.astype(out_dtype)
+        plgpu.commit_smem()
+
+        def product(acc_ref):
+            plgpu.wgmma(acc_ref, eye_smem, o_t_smem)
+            return acc_ref[...]
+
+        return pl.run_scoped(product, plgpu.ACC((MMA_ROWS, head_dim), jnp.float32))
+
+    finite = jnp.abs(o_t) < jnp.inf
+    values = rows_of(jnp.where(finite, o_t, 0.0))
+    codes = rows_of(jnp.where(finite, 0.0, jnp.where(o_t != o_t, 1.0,
+                                                      jnp.where(o_t > 0, 2.0, 3.0))))
+    rows = jnp.where(codes == 1.0, jnp.nan, jnp.where(codes == 2.0, jnp.inf, jnp.where(
+        codes == 3.0, -jnp.inf, values)))
+    return rows.astype(out_dtype)
 
 
 class FinalSmem(NamedTuple):
@@ -926,18 +1136,19 @@ def _copies_per_tile(block_size: int, block_k: int) -> int:
 def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                        config: MosaicDecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
                        sliding_window, sinks, k_scale, v_scale, producer_only: bool = False):
-    """The kernel alone, over the grid ``(batch, num_kv_heads, num_splits)``, with the XLA work
-    that builds its operands (the query padded to the kernel's rows, for fp8 caches divided into
-    fp16's range; the padded ALiBi slopes and sinks; the score multipliers).
+    """The kernel over the grid ``(batch, num_kv_heads, num_splits)``, with the XLA work that
+    builds its operands (the query padded to the kernel's rows where it is not read in boxes of
+    8, for fp8 caches divided into fp16's range; the padded ALiBi slopes and sinks; the score
+    multipliers), and the Mosaic merge after it where one applies (`merges_in_mosaic`).
 
     Arguments as `decode_mosaic`.
 
     Returns:
-      where the kernel finalizes (`finalizes`: one part per (sequence, kv head)), ``(out
-      [batch, kvh, group, head_dim] in q.dtype, lse f32[batch, kvh, group])``; else the partial
-      ``(o f32[batch, kvh, P, group, head_dim], m, l f32[batch, kvh, P, group])`` of the ``P =
-      num_splits * num_consumers`` parts, unnormalized and without ``v_scale`` or the sinks,
-      which `_merge_splits` combines.
+      where the kernel finalizes (`finalizes`: one part per (sequence, kv head)) or the Mosaic
+      merge follows it, ``(out [batch, kvh, group, head_dim] in q.dtype, lse f32[batch, kvh,
+      group])``; else the partial ``(o f32[batch, kvh, P, group, head_dim], m, l f32[batch, kvh,
+      P, group])`` of the ``P = num_splits * num_consumers`` parts, unnormalized and without
+      ``v_scale`` or the sinks, which `_merge_splits` combines.
     """
     plgpu = _plgpu()
     check_supported(q, k_cache, config)
@@ -958,7 +1169,10 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     # fp8 with a bf16 query, for the fp16 wgmmas: the query divided by the power of two that brings
     # each group's largest |q| under 2**15 (exact), the scores multiplied back in the kernel.
     converts_query = k_scale is not None and compute_dtype != q.dtype
-    rows_of_8 = reads_rows_of_8(config, num_heads=num_heads, group=group, finalize=finalize,
+    merge_in_mosaic = not producer_only and merges_in_mosaic(
+        config, group=group, head_dim=head_dim, out_dtype=q.dtype, finalize=finalize)
+    rows_of_8 = reads_rows_of_8(config, num_heads=num_heads, group=group,
+                                normalized_in_mosaic=finalize or merge_in_mosaic,
                                 converts_query=converts_query)
     shift = None
     if converts_query:
@@ -1040,6 +1254,11 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     if finalize:
         return outs
     o, m, l = outs
+    if merge_in_mosaic:
+        return merge_parts_mosaic(
+            o, m, l, lens, per_query_operand(sinks), v_scale_operand, group=group,
+            capacity=tables.shape[1] * k_cache.shape[1], rows_of_8=rows_of_8, out_dtype=q.dtype,
+            interpret=interpret)
     if config.queries_in_n:
         o = jnp.swapaxes(o, -1, -2)[..., :group, :]
     return o, m[..., :group], l[..., :group]
@@ -1048,9 +1267,9 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
 def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                   config: MosaicDecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
                   sliding_window, sinks, k_scale, v_scale, producer_only: bool = False):
-    """The Mosaic GPU kernel over the grid ``(batch, num_kv_heads, num_splits)``
-    (`decode_kernel_call`), then, where it leaves several parts per (sequence, kv head), the
-    merge.
+    """The Mosaic GPU kernel over the grid ``(batch, num_kv_heads, num_splits)`` and, where it
+    leaves several parts per (sequence, kv head), the Mosaic merge (`decode_kernel_call`), or
+    XLA's (`_merge_splits`) where that one does not apply (`merges_in_mosaic`).
 
     Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float).
     ``producer_only=True`` is a timing probe for `benchmarks.bench_mosaic`, not attention: the
@@ -1073,7 +1292,7 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
         interpret=interpret, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
         sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         producer_only=producer_only)
-    if len(outs) == 2:  # the kernel finalized
+    if len(outs) == 2:  # the kernel finalized, or the Mosaic merge followed it
         out, lse = outs
     else:
         o, m, l = outs
