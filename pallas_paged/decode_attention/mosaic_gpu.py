@@ -255,7 +255,8 @@ def _merge_parts_kernel(
     out_ref,      # [batch, kvh, group, head_dim] in out_dtype
     lse_ref,      # f32[batch, kvh, group]
     o_smem,       # f32[2, chunk, head_dim, R]: two slots of `chunk` parts' O^T
-    ml_smem,      # f32[2, P, R]: every part's m and l
+    m_smem,       # f32[P, R]: every part's m (allocations of their own: a TMA copy into shared
+    l_smem,       # f32[P, R]: every part's l   memory needs an address aligned to 128 bytes)
     sinks_smem,   # f32[R] or None
     lse_smem,     # f32[R]
     final_smem,   # `FinalSmem`
@@ -289,8 +290,8 @@ def _merge_parts_kernel(
                                 o_bars.at[slot])
 
     fetch(0, 0)
-    plgpu.copy_gmem_to_smem(m_ref.at[b, h], ml_smem.at[0], ml_bar)
-    plgpu.copy_gmem_to_smem(l_ref.at[b, h], ml_smem.at[1], ml_bar)
+    plgpu.copy_gmem_to_smem(m_ref.at[b, h], m_smem, ml_bar)
+    plgpu.copy_gmem_to_smem(l_ref.at[b, h], l_smem, ml_bar)
     if sinks_ref is not None:
         sinks_src = (sinks_ref.at[pl.ds(pl.multiple_of(box_head, MMA_COLUMNS), MMA_COLUMNS)]
                      if rows_of_8 else sinks_ref.at[h])
@@ -300,8 +301,8 @@ def _merge_parts_kernel(
     def row(ref):  # f32[R]
         return plgpu.load(ref, layout=per_query_layout)
 
-    m_max = jax.lax.fori_loop(1, parts, lambda p, mx: jnp.maximum(mx, row(ml_smem.at[0, p])),
-                              row(ml_smem.at[0, 0]))
+    m_max = jax.lax.fori_loop(1, parts, lambda p, mx: jnp.maximum(mx, row(m_smem.at[p])),
+                              row(m_smem.at[0]))
     sink = None if sinks_smem is None else row(sinks_smem)
     m_total = finite_total_max(m_max, sink)
 
@@ -317,8 +318,8 @@ def _merge_parts_kernel(
         plgpu.barrier_wait(o_bars.at[slot])
         for j in range(chunk):
             p = c * chunk + j
-            weight = jnp.exp(row(ml_smem.at[0, p]) - m_total)  # 0 for a part with no key
-            l_total = l_total + weight * row(ml_smem.at[1, p])
+            weight = jnp.exp(row(m_smem.at[p]) - m_total)  # 0 for a part with no key
+            l_total = l_total + weight * row(l_smem.at[p])
             o_p = plgpu.load(o_smem.at[slot, j], layout=plgpu.Layout.WGMMA)
             if v_scale_ref is not None:  # P V is linear in V: dequantize each part's sum
                 o_p = o_p * v_scale_ref[0]
@@ -357,7 +358,8 @@ def merge_parts_mosaic(o, m, l, lens, sinks, v_scale, *, group: int, capacity: i
     chunk = merge_chunk(parts, head_dim, q_rows)
     scratch = (
         plgpu.SMEM((2, chunk, head_dim, q_rows), jnp.float32),
-        plgpu.SMEM((2, parts, q_rows), jnp.float32),
+        plgpu.SMEM((parts, q_rows), jnp.float32),
+        plgpu.SMEM((parts, q_rows), jnp.float32),
         None if sinks is None else plgpu.SMEM((q_rows,), jnp.float32),
         plgpu.SMEM((q_rows,), jnp.float32),
         final_smem_scratch(plgpu, q_rows, head_dim, out_dtype, queries_in_n=True),
