@@ -854,6 +854,19 @@ def test_parts_are_merged_by_the_mosaic_merge_kernel(num_heads, kvh, cache, expe
         assert ops == FP8_QUERY
 
 
+@pytest.mark.parametrize("config,group,expected", [
+    (in_n(THREE_SPLITS), 4, True),
+    (in_n(THREE_SPLITS), 8, True),
+    (QN_THREE_CONSUMERS, 4, True),            # 2 splits x 3 consumers
+    (in_n(ONE_SPLIT), 4, False),              # one part: XLA's merge measured faster
+    (in_n(THREE_SPLITS), 2, False),           # lse rows of 8 bytes
+    (THREE_SPLITS, 4, False),                 # the queries in M
+])
+def test_which_parts_the_mosaic_merge_takes(config, group, expected):
+    assert mosaic_gpu.merges_in_mosaic(config, group=group, head_dim=128, out_dtype=jnp.bfloat16,
+                                       finalize=False) is expected
+
+
 def test_merge_chunks_divide_the_parts_and_fit():
     assert mosaic_gpu.merge_chunk(16, 128, 8) == 8      # 4 KiB per part, 32 KiB per copy
     assert mosaic_gpu.merge_chunk(12, 128, 8) == 6

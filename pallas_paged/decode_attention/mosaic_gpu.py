@@ -235,13 +235,19 @@ def merge_smem_bytes(parts: int, head_dim: int, q_rows: int, out_dtype) -> int:
 
 def merges_in_mosaic(config: MosaicDecodeConfig, *, group: int, head_dim: int, out_dtype,
                      finalize: bool) -> bool:
-    """Whether the parts are merged by `merge_parts_mosaic` (one launch) instead of XLA's
-    `_merge_splits` (a transpose and reductions: two launches or more): where the kernel does
-    not finalize, with the queries in N (the parts are ``O^T``), and the group's lse values a
-    multiple of 16 bytes (TMA copies them; MHA's group of 1 is merged by XLA)."""
+    """Whether the parts are merged by `merge_parts_mosaic` (one launch, and the kernel reads the
+    query unpadded before it: `reads_rows_of_8`) instead of XLA's `_merge_splits` (a transpose
+    and reductions): where each (sequence, kv head) has several parts, with the queries in N
+    (the parts are ``O^T``), and the group's lse values a multiple of 16 bytes (TMA copies them;
+    MHA's group of 1 is merged by XLA).
+
+    Measured on an H200 (2026-12-03, docs/BENCHMARKS.md): B=1/ctx 32768 (16 parts) 52.52 ->
+    51.51 us, fp8 B=8/ctx 16384 (4 parts) 95.54 -> 95.12 us; but B=128/ctx 1024 with one part
+    that the kernel does not normalize itself (`finalizes`) 147.37 -> 149.75 us (1024 CTAs of
+    the merge, each turning one O^T into rows), so one part stays with XLA."""
     parts = config.num_splits * config.num_consumers
     q_rows = query_rows(group, config)
-    return (not finalize and config.queries_in_n and (group * 4) % 16 == 0
+    return (not finalize and parts > 1 and config.queries_in_n and (group * 4) % 16 == 0
             and merge_smem_bytes(parts, head_dim, q_rows, out_dtype) <= MAX_SMEM_BYTES)
 
 
