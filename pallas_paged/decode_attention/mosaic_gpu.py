@@ -89,7 +89,7 @@ from pallas_paged._platform import sm_count
 from pallas_paged.decode_attention.configs import MosaicDecodeConfig
 from pallas_paged.cache_write.fp8 import kernel_scale_operands
 from pallas_paged.decode_attention.pallas_triton import (FP16_SAFE_MAX, _merge_splits, divides,
-                                                         dot_dtype, tile_range)
+                                                         dot_dtype, finite_total_max, tile_range)
 
 MIN_JAX = (0, 11, 2)  # plgpu.kernel with out_type / scratch_types and warpgroup semantics
 MMA_ROWS = 64  # wgmma's M: the query rows of a group, padded with zero queries
@@ -214,6 +214,49 @@ def reads_rows_of_8(config: MosaicDecodeConfig, *, num_heads: int, group: int,
             and MMA_COLUMNS % group == 0 and num_heads % MMA_COLUMNS == 0 and not converts_query)
 
 
+class QueryBox(NamedTuple):
+    """Where the group of kv head ``h`` of sequence ``b`` lies in what a CTA reads of the query
+    (`reads_rows_of_8`): with ``rows_of_8`` the 8-aligned box of query rows ``row .. row + 7``
+    of ``[batch * num_heads, head_dim]``, the group at its column ``column``, and the box of the
+    per-head slopes and sinks from head ``head``; without, ``row`` and ``column`` are 0 (the
+    query is padded per kv head) and the per-head operands are read at ``h``."""
+
+    row: Any
+    column: Any
+    head: Any
+
+
+def query_box(b, h, *, kvh: int, group: int, rows_of_8: bool) -> QueryBox:
+    """`QueryBox` of kv head ``h`` of sequence ``b``; the other columns of a box are neighbouring
+    heads' queries, computed and never written."""
+    head_row = (b * kvh + h) * group if rows_of_8 else 0  # the group's first query row
+    row = head_row // MMA_COLUMNS * MMA_COLUMNS
+    return QueryBox(row=row, column=head_row - row,
+                    head=(h * group) // MMA_COLUMNS * MMA_COLUMNS)
+
+
+def per_query_source(ref, h, box: QueryBox, rows_of_8: bool):
+    """The part of a per-query operand (slopes, sinks: f32[kvh, R], or with ``rows_of_8``
+    f32[num_heads]) that kv head ``h``'s CTA copies: its row, or its box of 8 heads."""
+    if rows_of_8:
+        return ref.at[pl.ds(pl.multiple_of(box.head, MMA_COLUMNS), MMA_COLUMNS)]
+    return ref.at[h]
+
+
+def with_optional_operands(body, num_fixed: int, optional: dict):
+    """A kernel body over ``num_fixed`` refs, then only the present ones (not None) of the
+    ``optional`` operands (in its order), then the outputs, for ``body`` that takes every
+    optional ref (None where absent). Returns ``(kernel_body, the present operands)``."""
+    present = [name for name, x in optional.items() if x is not None]
+
+    def kernel_body(*refs):
+        given = dict(zip(present, refs[num_fixed:]))
+        body(*refs[:num_fixed], *(given.get(name) for name in optional),
+             *refs[num_fixed + len(present):])
+
+    return kernel_body, [optional[name] for name in present]
+
+
 MERGE_CHUNK_BYTES = 32 * 1024  # the parts' O^T one TMA of the merge kernel brings in
 
 
@@ -279,16 +322,14 @@ def _merge_parts_kernel(
     warpgroup: the parts' max, then their weighted sums of ``l`` and ``O^T`` (read in chunks of
     parts, one TMA ahead), normalized and written as the kernel writes one part
     (`write_normalized`). With ``rows_of_8`` the parts' columns are the kernel's box of 8 query
-    rows, the group at its column ``group_column``."""
+    rows, the group at its column ``QueryBox.column``."""
     b = jax.lax.axis_index("batch")
     h = jax.lax.axis_index("kv_head")
     kvh, parts, head_dim, q_rows = o_ref.shape[1:]
     chunk = o_smem.shape[1]
     chunks = parts // chunk
     n = jnp.clip(lens_ref[b], 0, capacity)
-    head_row = (b * kvh + h) * group if rows_of_8 else 0
-    group_column = head_row % MMA_COLUMNS if rows_of_8 else 0
-    box_head = (h * group) // MMA_COLUMNS * MMA_COLUMNS
+    box = query_box(b, h, kvh=kvh, group=group, rows_of_8=rows_of_8)
     per_query_layout = plgpu.Layout.WGMMA.reduce(0)  # f32[R] beside O^T [head_dim, R]
 
     def fetch(c, slot):
@@ -299,9 +340,8 @@ def _merge_parts_kernel(
     plgpu.copy_gmem_to_smem(m_ref.at[b, h], m_smem, ml_bar)
     plgpu.copy_gmem_to_smem(l_ref.at[b, h], l_smem, ml_bar)
     if sinks_ref is not None:
-        sinks_src = (sinks_ref.at[pl.ds(pl.multiple_of(box_head, MMA_COLUMNS), MMA_COLUMNS)]
-                     if rows_of_8 else sinks_ref.at[h])
-        plgpu.copy_gmem_to_smem(sinks_src, sinks_smem, ml_bar)
+        plgpu.copy_gmem_to_smem(per_query_source(sinks_ref, h, box, rows_of_8), sinks_smem,
+                                ml_bar)
     plgpu.barrier_wait(ml_bar)
 
     def row(ref):  # f32[R]
@@ -339,7 +379,7 @@ def _merge_parts_kernel(
     if sink is not None:
         l_total = l_total + jnp.exp(sink - m_total)
     write_normalized(plgpu, o, m_total, l_total, n=n, b=b, h=h, group=group,
-                     group_column=group_column, queries_in_n=True, out_dtype=out_dtype,
+                     group_column=box.column, queries_in_n=True, out_dtype=out_dtype,
                      final_smem=final_smem, lse_smem=lse_smem, out_ref=out_ref, lse_ref=lse_ref)
 
 
@@ -374,15 +414,9 @@ def merge_parts_mosaic(o, m, l, lens, sinks, v_scale, *, group: int, capacity: i
     )
     body = functools.partial(_merge_parts_kernel, plgpu=plgpu, group=group, capacity=capacity,
                              rows_of_8=rows_of_8, out_dtype=out_dtype)
-    optional = {"sinks": sinks, "v_scale": v_scale}
-    present = [name for name, x in optional.items() if x is not None]
-
-    def kernel_body(lens_r, o_r, m_r, l_r, *rest):
-        given = dict(zip(present, rest))
-        refs = (lens_r, o_r, m_r, l_r, *(given.get(name) for name in optional),
-                *rest[len(present):])
-        pl.run_scoped(lambda *scratch_refs: body(*refs, *scratch_refs), *scratch)
-
+    kernel_body, optional = with_optional_operands(
+        lambda *refs: pl.run_scoped(lambda *scratch_refs: body(*refs, *scratch_refs), *scratch),
+        4, {"sinks": sinks, "v_scale": v_scale})
     return plgpu.kernel(
         kernel_body,
         out_type=(jax.ShapeDtypeStruct((batch, kvh, group, head_dim), out_dtype),
@@ -392,7 +426,7 @@ def merge_parts_mosaic(o, m, l, lens, sinks, v_scale, *, group: int, capacity: i
         kernel_name=f"{MERGE_KERNEL_NAME}_p{parts}_g{group}_d{head_dim}",
         compiler_params=plgpu.CompilerParams(**COMPILER_PARAMS),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(lens, o, m, l, *(optional[name] for name in present))
+    )(lens, o, m, l, *optional)
 
 
 def query_rows(group: int, config: MosaicDecodeConfig) -> int:
@@ -578,12 +612,8 @@ def _paged_decode_kernel(
     v_ring = v_converted_stages(num_consumers)  # with fp8_v_in_producer: converted V tiles
     q_rows = MMA_COLUMNS if rows_of_8 else q_ref.shape[2]
     # rows_of_8 (`reads_rows_of_8`): the CTA reads the 8 query rows (and slopes, sinks) of the
-    # 8-aligned box that holds its group, which starts at column `group_column` of the scores;
-    # the other columns are neighbouring heads' queries, computed and never written.
-    head_row = (b * k_ref.shape[2] + h) * group if rows_of_8 else 0  # the group's first row
-    box_row = head_row // MMA_COLUMNS * MMA_COLUMNS
-    group_column = head_row - box_row  # 0 without rows_of_8
-    box_head = (h * group) // MMA_COLUMNS * MMA_COLUMNS  # the slopes' and sinks' box
+    # 8-aligned box that holds its group, which starts at column `box.column` of the scores.
+    box = query_box(b, h, kvh=k_ref.shape[2], group=group, rows_of_8=rows_of_8)
     # The scores' layout: [q_rows, Tk] (queries in wgmma's M), or [Tk, q_rows] (queries_in_n).
     query_axis = 1 if queries_in_n else 0
     token_axis = 1 - query_axis
@@ -731,17 +761,14 @@ def _paged_decode_kernel(
             if num_consumers > 1:
                 plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             if rows_of_8:
-                rows = pl.ds(pl.multiple_of(box_row, MMA_COLUMNS), MMA_COLUMNS)
-                heads = pl.ds(pl.multiple_of(box_head, MMA_COLUMNS), MMA_COLUMNS)
+                rows = pl.ds(pl.multiple_of(box.row, MMA_COLUMNS), MMA_COLUMNS)
                 plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_bar)
-                for ref, smem_ref in ((alibi_ref, alibi_smem), (sinks_ref, sinks_smem)):
-                    if smem_ref is not None:
-                        plgpu.copy_gmem_to_smem(ref.at[heads], smem_ref, q_bar)
             else:
                 plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
-                for ref, smem_ref in ((alibi_ref, alibi_smem), (sinks_ref, sinks_smem)):
-                    if smem_ref is not None:
-                        plgpu.copy_gmem_to_smem(ref.at[h], smem_ref, q_bar)
+            for ref, smem_ref in ((alibi_ref, alibi_smem), (sinks_ref, sinks_smem)):
+                if smem_ref is not None:
+                    plgpu.copy_gmem_to_smem(per_query_source(ref, h, box, rows_of_8), smem_ref,
+                                            q_bar)
 
             if fp8_v_in_producer:
                 produce_converting_v(vc_smem)
@@ -935,7 +962,7 @@ def _paged_decode_kernel(
         if sink is not None:
             l_total = l_total + jnp.exp(sink - m_total)
         write_normalized(plgpu, o * per_query(weight, o.shape), m_total, l_total, n=n, b=b, h=h,
-                         group=group, group_column=group_column, queries_in_n=queries_in_n,
+                         group=group, group_column=box.column, queries_in_n=queries_in_n,
                          out_dtype=out_dtype, final_smem=final_smem, lse_smem=ml_smem.at[0],
                          out_ref=out_ref, lse_ref=lse_ref)
 
@@ -989,13 +1016,6 @@ def _paged_decode_kernel(
 def per_query_axis(vector, shape, query_axis: int):
     """f32[q_rows] broadcast along the other axis of ``shape`` (its queries on ``query_axis``)."""
     return jax.lax.broadcast_in_dim(vector, shape, [query_axis])
-
-
-def finite_total_max(m_max, sink):
-    """The merged running max of `merged_max_and_sum`: ``m_max`` (the parts' max, f32[q_rows])
-    with the sink's logit, 0 where neither saw a finite logit (the weights stay finite)."""
-    m_total = m_max if sink is None else jnp.maximum(m_max, sink)
-    return jnp.where(jnp.abs(m_total) < jnp.inf, m_total, 0.0)
 
 
 def write_normalized(plgpu, o, m_total, l_total, *, n, b, h, group: int, group_column,
@@ -1218,21 +1238,14 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         producer_only=producer_only)
     # fp8: the scales (python floats or traced f32[]) operands, so one program serves every scale
     k_scale_operand, v_scale_operand = kernel_scale_operands(k_scale, v_scale)
-    optional = {  # inputs only some calls have, in the kernel's order
+    kernel_body, optional = with_optional_operands(body, 5, {  # in the kernel's order
         "alibi": per_query_operand(alibi_slopes),
         "sinks": per_query_operand(sinks) if finalize else None,
         "k_scale": k_scale_operand,
         "shift": shift,
         "v_scale": v_scale_operand if finalize else None,
-    }
-    present = [name for name, x in optional.items() if x is not None]
-
-    def kernel_body(lens_r, tables_r, q_r, k_r, v_r, *rest):
-        given = dict(zip(present, rest))
-        body(lens_r, tables_r, q_r, k_r, v_r, *(given.get(name) for name in optional),
-             *rest[len(present):])
-
-    operands = (lens, tables, q_padded, k_cache, v_cache, *(optional[name] for name in present))
+    })
+    operands = (lens, tables, q_padded, k_cache, v_cache, *optional)
     if finalize:
         out_type = (jax.ShapeDtypeStruct((batch, kvh, group, head_dim), q.dtype),
                     jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32))

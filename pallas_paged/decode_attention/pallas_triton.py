@@ -426,8 +426,8 @@ def _paged_decode_kernel(
         sink = plgpu.load(sinks_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gp]
         accs, m, l = with_sink(accs, m, l, sink)
     out_ref, lse_ref = out_refs
+    ok = divides(l)
     for acc, c in zip(accs, part_cols):
-        ok = divides(l)
         out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
         plgpu.store(out_ref.at[b, h, rows[:, None], c[None, :]], out.astype(out_ref.dtype),
                     mask=out_mask)
@@ -440,6 +440,13 @@ def divides(l):
     (no key: the row is zeros); a NaN sum (a NaN query or key) divides, so that the NaN propagates
     as in torch_ref. Every kernel and merge decides with this."""
     return l != 0
+
+
+def finite_total_max(m_max, sink):
+    """The merged running max: ``m_max`` (the parts' max) with the sink's logit, 0 where neither
+    saw a finite logit, so that the weights ``exp(m - m_total)`` stay finite."""
+    m_total = m_max if sink is None else jnp.maximum(m_max, sink)
+    return jnp.where(jnp.abs(m_total) < jnp.inf, m_total, 0.0)
 
 
 def merged_max_and_sum(m, l, m_max, sink):
@@ -457,8 +464,7 @@ def merged_max_and_sum(m, l, m_max, sink):
       m_total)`` f32[splits, ...], each split's factor (0 for empty splits). ``m_total`` is 0
       where no split and no sink saw a finite logit, so that the weights stay finite.
     """
-    m_total = m_max if sink is None else jnp.maximum(m_max, sink)
-    m_total = jnp.where(jnp.abs(m_total) < jnp.inf, m_total, 0.0)
+    m_total = finite_total_max(m_max, sink)
     weight = jnp.exp(m - m_total)
     l_total = jnp.sum(weight * l, axis=0)
     if sink is not None:
