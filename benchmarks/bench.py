@@ -328,7 +328,7 @@ def config_label(c: DecodeConfig | MosaicDecodeConfig) -> str:
     if isinstance(c, MosaicDecodeConfig):
         return (f"bk{c.block_k}/s{c.num_splits}/st{c.num_stages}/c{c.num_consumers}"
                 + ("/qn1" if c.queries_in_n else "") + ("/kr1" if c.fp8_k_in_registers else "")
-                + ("/vp1" if c.fp8_v_in_producer else ""))
+                + ("/vp1" if c.fp8_v_in_producer else "") + ("/ps1" if c.persistent else ""))
     return (f"bk{c.block_k}/s{c.num_splits}/w{c.num_warps}/st{c.num_stages}"
             + ("/vl1" if c.fp8_v_at_load else "") + ("/mk1" if c.merge_in_kernel else "")
             + ("/pr1" if c.fp8_pairs else ""))

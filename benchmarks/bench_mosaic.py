@@ -104,12 +104,14 @@ def candidates(shape, heuristic: MosaicDecodeConfig) -> list[MosaicDecodeConfig]
 def parse_config(label: str) -> dict:
     """``"bk64/st4/c2"`` (parts of `benchmarks.bench.config_label`'s form, any subset; ``qn1``
     for `MosaicDecodeConfig.queries_in_n`, ``kr1`` for its ``fp8_k_in_registers``, ``vp1`` for its
-    ``fp8_v_in_producer``) -> the `MosaicDecodeConfig` fields it names, ``{"block_k": 64,
-    "num_stages": 4, ...}``."""
+    ``fp8_v_in_producer``, ``ps1`` for its ``persistent``) -> the `MosaicDecodeConfig` fields it
+    names, ``{"block_k": 64, "num_stages": 4, ...}``."""
     return parse_config_label(label, {"bk": "block_k", "s": "num_splits", "st": "num_stages",
                                       "c": "num_consumers", "qn": "queries_in_n",
-                                      "kr": "fp8_k_in_registers", "vp": "fp8_v_in_producer"},
-                              flags=("queries_in_n", "fp8_k_in_registers", "fp8_v_in_producer"))
+                                      "kr": "fp8_k_in_registers", "vp": "fp8_v_in_producer",
+                                      "ps": "persistent"},
+                              flags=("queries_in_n", "fp8_k_in_registers", "fp8_v_in_producer",
+                                     "persistent"))
 
 
 def parse_compiler_param(text: str) -> tuple[str, bool | int]:

@@ -433,6 +433,12 @@ def test_config_type_and_fields_are_checked():
         MosaicDecodeConfig(fp8_k_in_registers=True)
     with pytest.raises(ValueError, match="fp8_v_in_producer=1 must be a bool"):
         MosaicDecodeConfig(fp8_v_in_producer=1)
+    with pytest.raises(ValueError, match="persistent=1 must be a bool"):
+        MosaicDecodeConfig(persistent=1)
+    with pytest.raises(ValueError, match=r"persistent=True, num_consumers=2.*one consumer"):
+        MosaicDecodeConfig(persistent=True, num_consumers=2, num_stages=2)
+    with pytest.raises(ValueError, match=r"persistent=True.*fp8_v_in_producer=True"):
+        MosaicDecodeConfig(persistent=True, fp8_v_in_producer=True)
     with pytest.raises(ValueError, match="shared memory"):
         jax.eval_shape(functools.partial(
             pp.decode, impl="mosaic", interpret=True,
@@ -660,6 +666,54 @@ def test_auto_lowers_to_the_mosaic_kernel_where_the_table_picks_it(mosaic_measur
     assert mosaic_gpu.KERNEL_NAME in text and "xla.gpu.triton" not in text
 
 
+# --- persistent CTAs: several work items each ------------------------------------------------------
+
+PERSISTENT = MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True, persistent=True)
+
+
+@pytest.mark.parametrize("config,cache", [
+    (PERSISTENT, "bfloat16"),                               # normalized in the kernel, rows of 8
+    (dataclasses.replace(PERSISTENT, num_splits=3), "bfloat16"),         # the Mosaic merge
+    (MosaicDecodeConfig(block_k=64, num_splits=2, num_stages=3, persistent=True),
+     "float16"),                                            # the queries in M, XLA's merge
+    (dataclasses.replace(PERSISTENT, num_stages=3, fp8_k_in_registers=True), "float8_e4m3fn"),
+], ids=["one_part", "splits_mosaic_merge", "queries_in_m", "fp8"])
+def test_persistent_ctas_walk_several_work_items(rng, config, cache, monkeypatch):
+    """With `MosaicDecodeConfig.persistent` on one multiprocessor (patched), each CTA walks
+    several work items (sequence, kv head, split) of different tile counts, empty ones
+    included, with the ring's stages and the query slots carried from one to the next: every
+    option against the oracle, and bit for bit the output and lse of one CTA per item."""
+    monkeypatch.setattr(mosaic_gpu, "sm_count", lambda: 1)
+    fp8 = cache == "float8_e4m3fn"
+    dtype = "float16" if fp8 or cache == "float16" else "bfloat16"
+    paged = make_paged(rng, lens=[150, 0, 1, 16, 17, 64, 130], num_heads=8, num_kv_heads=2,
+                       head_dim=64, block_size=16, dtype=cache, q_dtype=dtype)
+    scales = dict(k_scale=0.25, v_scale=0.75) if fp8 else {}
+    options = every_option(rng, 8)
+    items = 7 * 2 * config.num_splits
+    smem = mosaic_gpu.smem_bytes(64, paged.k_cache.dtype, NP_DTYPES[dtype], config, alibi=True,
+                                 group=4, finalize=config.num_splits == 1)
+    programs = mosaic_gpu.persistent_programs(items, smem, sm_count=1)
+    assert 1 <= programs < items / 2, (programs, items)  # several items per CTA
+    out, lse = mosaic(paged, config, return_lse=True, **scales, **options)
+    expected, expected_lse = oracle(paged, **scales, **options)
+    np.testing.assert_allclose(out, expected, atol=ATOL[dtype], rtol=0)
+    np.testing.assert_allclose(lse, expected_lse, atol=1e-4, rtol=1e-5)
+    per_item = dataclasses.replace(config, persistent=False)
+    out_per_item, lse_per_item = mosaic(paged, per_item, return_lse=True, **scales, **options)
+    np.testing.assert_array_equal(out, out_per_item)
+    np.testing.assert_array_equal(lse, lse_per_item)
+
+
+@on_every_jax
+def test_persistent_programs_fill_the_multiprocessors():
+    """As many CTAs as the multiprocessors hold at once, never more than the work items."""
+    assert mosaic_gpu.persistent_programs(1024, 100_000, sm_count=132) == 264  # two per SM
+    assert mosaic_gpu.persistent_programs(1024, 140_000, sm_count=132) == 132
+    assert mosaic_gpu.persistent_programs(100, 60_000, sm_count=132) == 100
+    assert mosaic_gpu.persistent_programs(1, 230_000, sm_count=132) == 1
+
+
 # --- lowered for CUDA (no GPU needed): Mosaic GPU's own lowering and layout inference run ---------
 
 LOWERINGS = {
@@ -708,6 +762,14 @@ LOWERINGS = {
     "queries_in_m_fp8_two_consumers_every_option": dict(
         dtype=jnp.float16, cache_dtype=jnp.float8_e4m3fn, scales=True, options=True,
         config=MosaicDecodeConfig(block_k=64, num_stages=2, num_consumers=2)),
+    # persistent CTAs: normalized in the kernel; with splits and the Mosaic merge (fp8, K in
+    # registers); the queries in M
+    "persistent_every_option": dict(options=True, config=PERSISTENT),
+    "persistent_fp8_splits_every_option": dict(
+        cache_dtype=jnp.float8_e4m3fn, scales=True, options=True,
+        config=dataclasses.replace(PERSISTENT, num_splits=4, fp8_k_in_registers=True)),
+    "persistent_queries_in_m_mha": dict(num_heads=2, kvh=2, config=MosaicDecodeConfig(
+        block_k=64, num_stages=3, persistent=True)),
 }
 
 
@@ -749,6 +811,7 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
     assert ("_qn" in text) == ran.queries_in_n
     assert ("_kreg" in text) == (ran.fp8_k_in_registers and args[1].dtype == jnp.float8_e4m3fn)
     assert ("_vprod" in text) == (ran.fp8_v_in_producer and args[1].dtype == jnp.float8_e4m3fn)
+    assert ("_persistent" in text) == ran.persistent
 
 
 @pytest.mark.parametrize("batch,group,cache,config,expected", [
@@ -765,6 +828,9 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
     (32, 4, "float8_e4m3fn", MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True,
                                                 fp8_k_in_registers=True,
                                                 fp8_v_in_producer=True), True),
+    # persistent CTAs normalize wherever the staging fits (one wave by construction)
+    (128, 4, "bfloat16", dataclasses.replace(PERSISTENT, num_stages=3), True),
+    (128, 1, "bfloat16", dataclasses.replace(PERSISTENT, num_stages=3), False),
 ])
 def test_the_kernel_finalizes_where_it_costs_no_wave(batch, group, cache, config, expected):
     compute = jnp.float16 if cache == "float8_e4m3fn" else jnp.bfloat16
@@ -1037,6 +1103,10 @@ def test_bench_mosaic_config_labels():
     producer = dataclasses.replace(registers, fp8_v_in_producer=True)
     assert bench.config_label(producer) == "bk128/s4/st2/c1/qn1/kr1/vp1"
     assert MosaicDecodeConfig(**bench_mosaic.parse_config(bench.config_label(producer))) == producer
+    persistent = dataclasses.replace(registers, persistent=True)
+    assert bench.config_label(persistent) == "bk128/s4/st2/c1/qn1/kr1/ps1"
+    parsed = bench_mosaic.parse_config(bench.config_label(persistent))
+    assert MosaicDecodeConfig(**parsed) == persistent
     for bad in ("bk64/s1/x2", "bk64/s", "c2/c1", "", "qn2", "kr2", "vp2"):
         with pytest.raises(ValueError):
             bench_mosaic.parse_config(bad)

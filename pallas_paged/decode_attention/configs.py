@@ -245,6 +245,15 @@ class MosaicDecodeConfig:
         numbers: the conversion is exact). Compiled kernels only: interpret mode takes wgmma
         operands from shared memory, so there the tile takes the shared-memory path. No effect
         on 16-bit caches, whose stage is the operand as it is.
+      persistent: as many CTAs as the GPU holds at once (`mosaic_gpu.persistent_programs`: the
+        multiprocessors times the CTAs of this config's shared memory one holds, at most the
+        work items), each walking the work items (sequence, kv head, split) ``p, p + P, ...``
+        instead of one CTA per item. The producer streams the next item's first tiles into the
+        ring while the consumer finishes the item before (its normalization or partial result),
+        and each CTA fills its ring once, not once per item. Items are dealt statically, so
+        sequences of very different lengths can leave some CTAs longer than others, where the
+        hardware's scheduling of one CTA per item would balance them. Needs one consumer and
+        not ``fp8_v_in_producer``.
       fp8_v_in_producer: fp8 caches: the producer warpgroup, which otherwise only issues the
         copies, converts each V tile to fp16 (zeroing the rows outside the sequence on tiles
         that hold any) into a ring of two converted tiles that the consumer's ``P V`` wgmma
@@ -259,13 +268,14 @@ class MosaicDecodeConfig:
     queries_in_n: bool = False
     fp8_k_in_registers: bool = False
     fp8_v_in_producer: bool = False
+    persistent: bool = False
 
     def __post_init__(self):
         for name in ("block_k", "num_splits", "num_stages", "num_consumers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MosaicDecodeConfig.{name}={value!r} must be a positive int")
-        for name in ("queries_in_n", "fp8_k_in_registers", "fp8_v_in_producer"):
+        for name in ("queries_in_n", "fp8_k_in_registers", "fp8_v_in_producer", "persistent"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"MosaicDecodeConfig.{name}={getattr(self, name)!r} must be a bool")
@@ -281,6 +291,11 @@ class MosaicDecodeConfig:
         if self.num_consumers > MAX_MOSAIC_CONSUMERS:
             raise ValueError(f"MosaicDecodeConfig.num_consumers={self.num_consumers} must be 1 to"
                              f" {MAX_MOSAIC_CONSUMERS}")
+        if self.persistent and (self.num_consumers > 1 or self.fp8_v_in_producer):
+            raise ValueError(
+                f"MosaicDecodeConfig(persistent=True, num_consumers={self.num_consumers},"
+                f" fp8_v_in_producer={self.fp8_v_in_producer}): a persistent CTA walks its work"
+                " items with one consumer and the producer only copying")
         if self.num_stages % self.num_consumers:
             raise ValueError(
                 f"MosaicDecodeConfig.num_stages={self.num_stages} must be a multiple of"

@@ -185,7 +185,9 @@ def finalizes(config: MosaicDecodeConfig, *, batch: int, kvh: int, group: int, h
     - the output's shared memory (`final_smem_bytes`) costs no wave: on an H200 (2026-12-03) the
       launch saved bought 1.7% at bf16 B=32 and 1.5% at fp8 B=32, while at B=128 and B=256 it
       took the CTAs from two per multiprocessor to one and cost 2.6% and 4.7%
-      (docs/BENCHMARKS.md).
+      (docs/BENCHMARKS.md). A persistent grid (`MosaicDecodeConfig.persistent`) has one wave
+      by construction: its CTAs normalize wherever the staging fits, since the producer streams
+      the next item's tiles meanwhile.
     """
     if config.num_splits * config.num_consumers != 1 or (group * 4) % 16:
         return False
@@ -193,6 +195,8 @@ def finalizes(config: MosaicDecodeConfig, *, batch: int, kvh: int, group: int, h
                         finalize=finalize) for finalize in (False, True)]
     if sizes[1] > MAX_SMEM_BYTES:
         return False
+    if config.persistent:
+        return True
     waves = [-(-batch * kvh // (sm_count * ctas_per_sm(size))) for size in sizes]
     return waves[0] == waves[1]
 
@@ -447,7 +451,8 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
     tile = config.block_k * head_dim
     consumers = config.num_consumers
     rows = query_rows(group, config)
-    total = rows * head_dim * compute                        # q
+    q_slots = query_slots(config.persistent)
+    total = q_slots * rows * head_dim * compute              # q
     total += 2 * config.num_stages * tile * cache            # the K and V ring
     convert = jnp.dtype(cache_dtype) != jnp.dtype(compute_dtype)
     v_in_producer = convert and config.fp8_v_in_producer
@@ -458,10 +463,10 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
         total += (v_tiles + k_tiles) * tile * compute
     total += consumers * rows * config.block_k * compute     # P
     total += consumers * rows * (head_dim + 2) * 4           # o, m, l
-    total += 2 * rows * 4 * alibi                            # the slopes, the sinks
+    total += 2 * q_slots * per_query_slot(rows, q_slots) * 4 * alibi  # the slopes, the sinks
     if finalize:                                             # the normalized output
         total += final_smem_bytes(rows, head_dim, compute_dtype, config.queries_in_n)
-    total += 8 * (1 + 3 * config.num_stages)                 # barriers
+    total += 8 * (q_slots * (1 + config.persistent) + 3 * config.num_stages)  # barriers
     total += 8 * 2 * v_ring * v_in_producer                  # the converted ring's barriers
     total += REDUCTION_SCRATCH_BYTES * reduction_pads(consumers, config.queries_in_n)  # pads
     return total + MOSAIC_OWN_SMEM_BYTES
@@ -558,6 +563,47 @@ def refusal(q, k_cache, config: MosaicDecodeConfig, interpret: bool) -> str | No
     return None
 
 
+class WorkItem(NamedTuple):
+    """One (sequence ``b``, kv head ``h``, split ``split``) of the decode kernel's work: the
+    sequence's clamped length ``n``, the first position ``first`` its queries attend (the
+    window's start, else 0), the split's tiles ``[tile_lo, tile_hi)`` (``num_tiles >= 0`` of
+    them), the pages they may address ``[page_lo, page_hi]`` (the table is read only there), and
+    where its group lies in what the CTA reads of the query (`QueryBox`)."""
+
+    b: Any
+    h: Any
+    split: Any
+    n: Any
+    first: Any
+    tile_lo: Any
+    tile_hi: Any
+    num_tiles: Any
+    page_lo: Any
+    page_hi: Any
+    box: QueryBox
+
+
+def persistent_programs(items: int, smem: int, sm_count: int) -> int:
+    """The CTAs of a persistent grid (`MosaicDecodeConfig.persistent`): as many as the
+    multiprocessors hold at once with ``smem`` bytes of shared memory each (`ctas_per_sm`), at
+    most one per work item."""
+    return max(1, min(items, sm_count * ctas_per_sm(smem)))
+
+
+def query_slots(persistent: bool) -> int:
+    """Shared-memory slots of the query (and its slopes and sinks): two for a persistent CTA,
+    which copies the next work item's query while the consumer still reads this one's; one
+    otherwise."""
+    return 2 if persistent else 1
+
+
+def per_query_slot(q_rows: int, q_slots: int) -> int:
+    """The f32 values per slot of the per-query operands in shared memory (slopes, sinks): the
+    query rows, and with several slots rounded up to 128 bytes (32 values), the alignment a TMA
+    copy into shared memory needs."""
+    return q_rows if q_slots == 1 else -(-q_rows // 32) * 32
+
+
 def _paged_decode_kernel(
     lens_ref,     # i32[batch]                                          (GMEM)
     tables_ref,   # i32[batch, max_blocks]                              (GMEM)
@@ -595,113 +641,157 @@ def _paged_decode_kernel(
     finalize: bool,
     out_dtype,
     rows_of_8: bool = False,
+    programs: int | None = None,
     producer_only: bool = False,
 ):
-    num_blocks, block_size, _, head_dim = k_ref.shape
-    max_blocks = tables_ref.shape[1]
-    b = jax.lax.axis_index("batch")
-    h = jax.lax.axis_index("kv_head")
-    split = jax.lax.axis_index("split")
-    n = jnp.clip(lens_ref[b], 0, max_blocks * block_size)
-    first, tile_lo, tile_hi = tile_range(n, split, block_k=block_k, num_splits=num_splits,
-                                         window=window)
-    num_tiles = jnp.maximum(tile_hi - tile_lo, 0)
-    # Pages the tiles may address: the table is read only inside [page_lo, page_hi].
-    page_lo, page_hi = first // block_size, jnp.maximum(n - 1, 0) // block_size
+    num_blocks, block_size, kvh, head_dim = k_ref.shape
+    batch, max_blocks = tables_ref.shape
     convert = jnp.dtype(k_ref.dtype) != jnp.dtype(compute_dtype)
     v_ring = v_converted_stages(num_consumers)  # with fp8_v_in_producer: converted V tiles
     q_rows = MMA_COLUMNS if rows_of_8 else q_ref.shape[2]
-    # rows_of_8 (`reads_rows_of_8`): the CTA reads the 8 query rows (and slopes, sinks) of the
-    # 8-aligned box that holds its group, which starts at column `box.column` of the scores.
-    box = query_box(b, h, kvh=k_ref.shape[2], group=group, rows_of_8=rows_of_8)
+    q_slots = query_slots(programs is not None)
     # The scores' layout: [q_rows, Tk] (queries in wgmma's M), or [Tk, q_rows] (queries_in_n).
     query_axis = 1 if queries_in_n else 0
     token_axis = 1 - query_axis
     score_shape = (block_k, q_rows) if queries_in_n else (q_rows, block_k)
     acc_shape = (head_dim, q_rows) if queries_in_n else (q_rows, head_dim)  # O^T or O
 
-    def masked_steps(first_owner, last_owner, count):
-        """``(lo, hi)``: of the ``count`` tiles a warpgroup walks (its steps ``0 .. count - 1``),
-        those before ``lo`` and from ``hi`` on hold positions outside ``[first, n)`` and take
-        the masked tile body; ``[lo, hi)`` are whole tiles of the sequence, which need no mask.
-        Only the split's first tile (before the window) and its last one (past the end of the
-        sequence) can be partial; ``first_owner`` / ``last_owner`` say whether this warpgroup
-        walks them (as its first and its last step). Three loops over these ranges instead of a
-        mask on every tile: the whole tiles carry no selects and no branch."""
+    def work_item(b, h, split) -> WorkItem:
+        n = jnp.clip(lens_ref[b], 0, max_blocks * block_size)
+        first, tile_lo, tile_hi = tile_range(n, split, block_k=block_k, num_splits=num_splits,
+                                             window=window)
+        # rows_of_8 (`reads_rows_of_8`): the CTA reads the 8 query rows (and slopes, sinks) of
+        # the 8-aligned box that holds the group, which starts at column `box.column` of the
+        # scores.
+        return WorkItem(b=b, h=h, split=split, n=n, first=first, tile_lo=tile_lo,
+                        tile_hi=tile_hi, num_tiles=jnp.maximum(tile_hi - tile_lo, 0),
+                        page_lo=first // block_size, page_hi=jnp.maximum(n - 1, 0) // block_size,
+                        box=query_box(b, h, kvh=kvh, group=group, rows_of_8=rows_of_8))
+
+    if programs is None:  # the grid (batch, kv head, split): one work item per CTA
+        my_items = 1
+
+        def item_at(j):
+            del j
+            return work_item(jax.lax.axis_index("batch"), jax.lax.axis_index("kv_head"),
+                             jax.lax.axis_index("split"))
+    else:  # persistent: the items program, program + programs, ... (the sequence fastest)
+        program = jax.lax.axis_index("program")
+        my_items = (batch * kvh * num_splits - program + programs - 1) // programs
+
+        def item_at(j):
+            index = program + j * programs
+            return work_item(index % batch, index // batch % kvh, index // (batch * kvh))
+
+    def for_each_item(item_body, carry):
+        """``item_body(j, carry)`` over this CTA's items ``j`` (one, unlooped, without
+        ``programs``)."""
+        if programs is None:
+            return item_body(0, carry)
+        return jax.lax.fori_loop(0, my_items, item_body, carry)
+
+    def masked_steps(it, first_owner, last_owner, count):
+        """``(lo, hi)``: of the ``count`` tiles of item ``it`` a warpgroup walks (its steps
+        ``0 .. count - 1``), those before ``lo`` and from ``hi`` on hold positions outside
+        ``[first, n)`` and take the masked tile body; ``[lo, hi)`` are whole tiles of the
+        sequence, which need no mask. Only the split's first tile (before the window) and its
+        last one (past the end of the sequence) can be partial; ``first_owner`` /
+        ``last_owner`` say whether this warpgroup walks them (as its first and its last step).
+        Three loops over these ranges instead of a mask on every tile: the whole tiles carry no
+        selects and no branch."""
         some = count > 0
-        lo = (some & first_owner & (tile_lo * block_k < first)).astype(jnp.int32)
-        hi = count - (some & last_owner & (tile_hi * block_k > n)).astype(jnp.int32)
+        lo = (some & first_owner & (it.tile_lo * block_k < it.first)).astype(jnp.int32)
+        hi = count - (some & last_owner & (it.tile_hi * block_k > it.n)).astype(jnp.int32)
         return lo, jnp.maximum(hi, lo)
 
-    def walk(count, step_body, carry, first_owner=True, last_owner=True):
+    def walk(it, count, step_body, carry, first_owner=True, last_owner=True):
         """``step_body(i, carry, masked)`` for ``i`` in ``[0, count)``, masked on the partial
-        tiles (`masked_steps`)."""
-        lo, hi = masked_steps(first_owner, last_owner, count)
+        tiles of item ``it`` (`masked_steps`)."""
+        lo, hi = masked_steps(it, first_owner, last_owner, count)
         carry = jax.lax.fori_loop(0, lo, functools.partial(step_body, masked=True), carry)
         carry = jax.lax.fori_loop(lo, hi, functools.partial(step_body, masked=False), carry)
         return jax.lax.fori_loop(hi, count, functools.partial(step_body, masked=True), carry)
 
-    def zero_invalid_rows(v, tile):
+    def zero_invalid_rows(v, tile, it):
         """``v`` (a ``[block_k, D]`` V tile of ``tile``) with the rows of positions outside
-        ``[first, n)`` zeroed: their scores are -inf, but ``0 * NaN`` would still reach P V."""
+        ``[first, n)`` of item ``it`` zeroed: their scores are -inf, but ``0 * NaN`` would still
+        reach P V."""
         row = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
-        return jnp.where((row >= first) & (row < n), v, jnp.zeros_like(v))
+        return jnp.where((row >= it.first) & (row < it.n), v, jnp.zeros_like(v))
 
     def per_query(vector, shape):
         """f32[q_rows] broadcast along the other axis of ``shape``."""
         return per_query_axis(vector, shape, query_axis)
 
     def body(q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, sinks_smem, o_smem,
-             ml_smem, final_smem, q_bar, k_bars, v_bars, free_bars, vconv_bars, vfree_bars):
-        # q_smem [R, D] (R = q_rows); k_smem, v_smem [stages, block_k, D] in the cache dtype; per
-        # consumer (leading axis C): kc_smem, vc_smem [C, block_k, D] in compute_dtype (fp8
-        # caches only, else None; kc_smem None with fp8_k_in_registers too; vc_smem the
-        # producer's ring [v_ring, block_k, D] with fp8_v_in_producer), p_smem [C,
-        # R, block_k] in compute_dtype, o_smem f32[C, R, D]
-        # (queries_in_n: [C, D, R], O^T), ml_smem f32[C, 2, R]; alibi_smem, sinks_smem f32[R] or
-        # None; final_smem: with finalize, `FinalSmem` (the normalized output on its way out).
-        # Barriers: q_bar (queries and slopes); k_bars[stages], v_bars[stages] (TMA done);
-        # free_bars[stages] (a stage is done with: its consumer, and with fp8_v_in_producer the
-        # producer too); with fp8_v_in_producer, vconv_bars[v_ring] (a converted V
-        # tile is ready) and vfree_bars[v_ring] (the consumer is done with it), else
-        # None.
+             ml_smem, final_smem, q_bars, q_free_bars, k_bars, v_bars, free_bars, vconv_bars,
+             vfree_bars):
+        # q_smem [q_slots, R, D] (R = q_rows); k_smem, v_smem [stages, block_k, D] in the cache
+        # dtype; per consumer (leading axis C): kc_smem, vc_smem [C, block_k, D] in
+        # compute_dtype (fp8 caches only, else None; kc_smem None with fp8_k_in_registers too;
+        # vc_smem the producer's ring [v_ring, block_k, D] with fp8_v_in_producer), p_smem [C,
+        # R, block_k] in compute_dtype, o_smem f32[C, R, D] (queries_in_n: [C, D, R], O^T),
+        # ml_smem f32[C, 2, R]; alibi_smem, sinks_smem f32[q_slots, `per_query_slot`] (the
+        # first R of a slot used) or None; final_smem: with finalize, `FinalSmem` (the
+        # normalized output on its way out).
+        # Barriers: q_bars[q_slots] (a work item's queries and slopes copied); q_free_bars
+        # [q_slots] (persistent: the consumer is done with a query slot, else None);
+        # k_bars[stages], v_bars[stages] (TMA done); free_bars[stages] (a stage is done with:
+        # its consumer, and with fp8_v_in_producer the producer too); with fp8_v_in_producer,
+        # vconv_bars[v_ring] (a converted V tile is ready) and vfree_bars[v_ring] (the consumer
+        # is done with it), else None.
         copies = _copies_per_tile(block_size, block_k)
 
-        def block_ids(tile):
+        def block_ids(it, tile):
             """The ``copies`` block ids of ``tile``'s pages (page index clamped into the pages of
-            the tile range, so the table tail is never read; ids clamped into the cache)."""
+            item ``it``'s tile range, so the table tail is never read; ids clamped into the
+            cache)."""
             if block_size <= block_k:
                 pages = [tile * copies + j for j in range(copies)]
             else:
                 pages = [tile // (block_size // block_k)]
-            return tuple(jnp.clip(tables_ref[b, jnp.clip(page, page_lo, page_hi)], 0,
+            return tuple(jnp.clip(tables_ref[it.b, jnp.clip(page, it.page_lo, it.page_hi)], 0,
                                   num_blocks - 1) for page in pages)
 
-        def issue(tile, slot, blocks):
+        def issue(it, tile, slot, blocks):
             """TMA the K and V rows of ``tile`` (pages ``blocks``) into stage ``slot``."""
             if block_size <= block_k:
                 for j, block in enumerate(blocks):
                     rows = pl.ds(j * block_size, block_size)
-                    plgpu.copy_gmem_to_smem(k_ref.at[block, :, h], k_smem.at[slot, rows],
+                    plgpu.copy_gmem_to_smem(k_ref.at[block, :, it.h], k_smem.at[slot, rows],
                                             k_bars.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[block, :, h], v_smem.at[slot, rows],
+                    plgpu.copy_gmem_to_smem(v_ref.at[block, :, it.h], v_smem.at[slot, rows],
                                             v_bars.at[slot])
             else:
                 rows = pl.ds((tile % (block_size // block_k)) * block_k, block_k)
-                plgpu.copy_gmem_to_smem(k_ref.at[blocks[0], rows, h], k_smem.at[slot],
+                plgpu.copy_gmem_to_smem(k_ref.at[blocks[0], rows, it.h], k_smem.at[slot],
                                         k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[blocks[0], rows, h], v_smem.at[slot],
+                plgpu.copy_gmem_to_smem(v_ref.at[blocks[0], rows, it.h], v_smem.at[slot],
                                         v_bars.at[slot])
 
-        def produce_converting_v(vc_ring):
-            """The producer with ``fp8_v_in_producer``: fills the ring, then per tile converts
-            its V stage into the ``vc_ring`` slot the consumer reads (a ring of
+        def copy_query(it, qslot):
+            """TMA item ``it``'s query rows (and slopes, sinks) into slot ``qslot``."""
+            if rows_of_8:
+                rows = pl.ds(pl.multiple_of(it.box.row, MMA_COLUMNS), MMA_COLUMNS)
+                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[qslot], q_bars.at[qslot])
+            else:
+                plgpu.copy_gmem_to_smem(q_ref.at[it.b, it.h], q_smem.at[qslot], q_bars.at[qslot])
+            for ref, smem_ref in ((alibi_ref, alibi_smem), (sinks_ref, sinks_smem)):
+                if smem_ref is not None:
+                    plgpu.copy_gmem_to_smem(per_query_source(ref, it.h, it.box, rows_of_8),
+                                            smem_ref.at[qslot, pl.ds(0, q_rows)],
+                                            q_bars.at[qslot])
+
+        def produce_converting_v(it, vc_ring):
+            """The producer with ``fp8_v_in_producer`` (one item per CTA): fills the ring, then
+            per tile converts its V stage into the ``vc_ring`` slot the consumer reads (a ring of
             ``v_ring``), and refills the stage once the consumer has its K too."""
+            tile_lo, num_tiles = it.tile_lo, it.num_tiles
             for j in range(num_stages):  # the first tiles: every stage of the ring
 
                 @pl.when(j < num_tiles)
                 def _fill():
-                    issue(tile_lo + j, j, block_ids(tile_lo + j))
+                    issue(it, tile_lo + j, j, block_ids(it, tile_lo + j))
 
             def produce(step, carry, masked):
                 slot = jax.lax.rem(step, num_stages)
@@ -710,30 +800,30 @@ def _paged_decode_kernel(
                 # The refill's table entries, loaded first: their latency hides behind the
                 # conversion (past the range the page index is clamped: an entry of this
                 # sequence, unused).
-                blocks = block_ids(tile_lo + step + num_stages)
+                blocks = block_ids(it, tile_lo + step + num_stages)
                 plgpu.barrier_wait(v_bars.at[slot])
 
                 @pl.when(step >= v_ring)
                 def _wait_converted_free():
                     plgpu.barrier_wait(vfree_bars.at[vslot])
 
-                store_v(slot, vc_ring.at[vslot], tile_lo + step, masked)
+                store_v(slot, vc_ring.at[vslot], tile_lo + step, masked, it)
                 plgpu.barrier_arrive(vconv_bars.at[vslot])
 
                 @pl.when(refill)
                 def _refill():
                     plgpu.barrier_arrive(free_bars.at[slot])  # the producer is done with V
                     plgpu.barrier_wait(free_bars.at[slot])    # and the consumer with K
-                    issue(tile_lo + step + num_stages, slot, blocks)
+                    issue(it, tile_lo + step + num_stages, slot, blocks)
                 return carry
 
-            walk(num_tiles, produce, 0)
+            walk(it, num_tiles, produce, 0)
 
-        def store_v(slot, vc_ref, tile, masked):
+        def store_v(slot, vc_ref, tile, masked, it):
             """The fp8 V tile of stage ``slot``, converted into ``vc_ref`` (``masked``: rows
             outside ``[first, n)`` zeroed), ready for the wgmma."""
             v = _from_fp8(v_smem[slot], compute_dtype)
-            vc_ref[...] = zero_invalid_rows(v, tile) if masked else v
+            vc_ref[...] = zero_invalid_rows(v, tile, it) if masked else v
             plgpu.commit_smem()
 
         wg = jax.lax.axis_index("wg")
@@ -747,8 +837,8 @@ def _paged_decode_kernel(
                 consume(c, q_smem, k_smem, v_smem,
                         None if kc_smem is None else kc_smem.at[c],
                         vc_smem if fp8_v_in_producer or vc_smem is None else vc_smem.at[c],
-                        p_smem.at[c], alibi_smem, o_smem.at[c], ml_smem.at[c], q_bar, k_bars,
-                        v_bars, free_bars, vconv_bars, vfree_bars, store_v,
+                        p_smem.at[c], alibi_smem, o_smem.at[c], ml_smem.at[c], q_bars,
+                        q_free_bars, k_bars, v_bars, free_bars, vconv_bars, vfree_bars, store_v,
                         sinks_smem=sinks_smem, final_smem=final_smem)
 
         # The consumers first: with the queries in N each consumer's reductions across its warps
@@ -760,53 +850,96 @@ def _paged_decode_kernel(
         def _producer():
             if num_consumers > 1:
                 plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-            if rows_of_8:
-                rows = pl.ds(pl.multiple_of(box.row, MMA_COLUMNS), MMA_COLUMNS)
-                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_bar)
-            else:
-                plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
-            for ref, smem_ref in ((alibi_ref, alibi_smem), (sinks_ref, sinks_smem)):
-                if smem_ref is not None:
-                    plgpu.copy_gmem_to_smem(per_query_source(ref, h, box, rows_of_8), smem_ref,
-                                            q_bar)
 
-            if fp8_v_in_producer:
-                produce_converting_v(vc_smem)
+            if fp8_v_in_producer:  # one item per CTA (the config refuses persistent with it)
+                it = item_at(0)
+                copy_query(it, 0)
+                produce_converting_v(it, vc_smem)
                 return
 
-            # Walks the tiles at most `num_stages` ahead of the consumer. A tile's table entries
-            # are loaded before waiting for its stage to be free, so their latency hides behind
-            # the wait (only tiles of the range are visited: an empty range reads no entry).
-            @pl.loop(0, num_tiles)
-            def _produce(step):
-                slot = jax.lax.rem(step, num_stages)
-                blocks = block_ids(tile_lo + step)
+            def produce_item(j, base):
+                """Item ``j``: its query into slot ``j % q_slots`` once the consumer is done
+                with the item that had it, then its tiles, each in the ring's stage of its step
+                ``base + step`` counted across the items (``base``: the tiles before it), at most
+                ``num_stages`` ahead of the consumer. A tile's table entries are loaded before
+                waiting for its stage to be free, so their latency hides behind the wait (only
+                tiles of the range are visited: an empty range reads no entry)."""
+                it = item_at(j)
+                qslot = jax.lax.rem(j, q_slots)
+                if q_free_bars is not None:
 
-                @pl.when(step >= num_stages)
-                def _wait_free():
-                    plgpu.barrier_wait(free_bars.at[slot])
+                    @pl.when(j >= q_slots)
+                    def _wait_query_free():
+                        plgpu.barrier_wait(q_free_bars.at[qslot])
 
-                issue(tile_lo + step, slot, blocks)
+                copy_query(it, qslot)
+
+                @pl.loop(0, it.num_tiles)
+                def _produce(step):
+                    ring_step = base + step
+                    slot = jax.lax.rem(ring_step, num_stages)
+                    blocks = block_ids(it, it.tile_lo + step)
+
+                    @pl.when(ring_step >= num_stages)
+                    def _wait_free():
+                        plgpu.barrier_wait(free_bars.at[slot])
+
+                    issue(it, it.tile_lo + step, slot, blocks)
+
+                return base + it.num_tiles
+
+            ring_steps = for_each_item(produce_item, jnp.int32(0))
+
+            # The consumer frees every stage it reads; the arrivals no refill waited for (the
+            # last `num_stages` steps), waited for here, so no barrier phase is left unobserved.
+            @pl.loop(jnp.maximum(ring_steps - num_stages, 0), ring_steps)
+            def _drain(ring_step):
+                plgpu.barrier_wait(free_bars.at[jax.lax.rem(ring_step, num_stages)])
 
     def consume(c, q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, alibi_smem, o_smem, ml_smem,
-                q_bar, k_bars, v_bars, free_bars, vconv_bars, vfree_bars, store_v, *, sinks_smem,
-                final_smem):
-        """Consumer ``c``: the online softmax over its tiles (``c, c + C, ...`` of the split),
-        then its partial results, or with ``finalize`` the normalized output. The per-consumer
-        refs come without their leading axis (``vc_smem``: the producer's whole ring with
-        ``fp8_v_in_producer``)."""
-        plgpu.barrier_wait(q_bar)
-        if producer_only:
-            consume_nothing(c, k_bars, v_bars, free_bars, vconv_bars, vfree_bars)
-            return
+                q_bars, q_free_bars, k_bars, v_bars, free_bars, vconv_bars, vfree_bars, store_v,
+                *, sinks_smem, final_smem):
+        """Consumer ``c``: per work item of the CTA, the online softmax over its tiles (``c, c +
+        C, ...`` of the split), then its partial results, or with ``finalize`` the normalized
+        output. The per-consumer refs come without their leading axis (``vc_smem``: the
+        producer's whole ring with ``fp8_v_in_producer``)."""
+        def consume_item(j, base):
+            it = item_at(j)
+            qslot = jax.lax.rem(j, q_slots)
+            plgpu.barrier_wait(q_bars.at[qslot])
+            if producer_only:
+                consume_nothing(c, it, base, k_bars, v_bars, free_bars, vconv_bars, vfree_bars)
+            else:
+                attend(c, it, base, q_smem.at[qslot], k_smem, v_smem, kc_smem,
+                       vc_smem, p_smem, None if alibi_smem is None else alibi_smem.at[qslot],
+                       o_smem, ml_smem, k_bars, v_bars, free_bars, vconv_bars, vfree_bars,
+                       store_v, sinks_smem=None if sinks_smem is None else sinks_smem.at[qslot],
+                       final_smem=final_smem)
+            if q_free_bars is not None:
+
+                @pl.when(j + q_slots < my_items)
+                def _free_query():
+                    plgpu.barrier_arrive(q_free_bars.at[qslot])
+
+            return base + it.num_tiles
+
+        for_each_item(consume_item, jnp.int32(0))
+
+    def attend(c, it, base, q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem,
+               alibi_smem, o_smem, ml_smem, k_bars, v_bars, free_bars, vconv_bars, vfree_bars,
+               store_v, *, sinks_smem, final_smem):
+        """Consumer ``c`` on item ``it``, whose tiles are the ring's steps ``base ..`` (counted
+        across the CTA's items); the query slot's refs come without their slot axis."""
+        num_tiles = it.num_tiles
         if alibi_smem is not None:
             # f32[q_rows], one slope per query (the layout of the scores' token reductions).
-            slopes = plgpu.load(alibi_smem, layout=plgpu.Layout.WGMMA.reduce(token_axis))
+            slopes = plgpu.load(alibi_smem.at[pl.ds(0, q_rows)],
+                                layout=plgpu.Layout.WGMMA.reduce(token_axis))
         score_scale = scale
         if k_scale_ref is not None:  # fp8: scale * k_scale, times the query's power of two
             score_scale = scale * k_scale_ref[0]
             if shift_ref is not None:
-                score_scale = shift_ref[b, h] * score_scale
+                score_scale = shift_ref[it.b, it.h] * score_scale
 
         def tile_body(i, carry, masked):
             # f32[q_rows, D] (queries_in_n: [D, q_rows]), f32[q_rows], f32[score_shape] (the sum
@@ -815,8 +948,9 @@ def _paged_decode_kernel(
             # holds positions outside [first, n) (`masked_steps`)
             acc, m_prev, l_parts = carry
             step = c + i * num_consumers  # the split's tile counted from tile_lo
-            tile = tile_lo + step
-            slot = jax.lax.rem(step, num_stages)
+            tile = it.tile_lo + step
+            ring_step = base + step  # counted across the CTA's items
+            slot = jax.lax.rem(ring_step, num_stages)
             if masked or alibi_smem is not None:  # the scores' positions
                 pos = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, score_shape,
                                                                 token_axis)
@@ -851,10 +985,10 @@ def _paged_decode_kernel(
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             if alibi_smem is not None:
-                rel = (pos - (n - 1)).astype(jnp.float32)
+                rel = (pos - (it.n - 1)).astype(jnp.float32)
                 s = s + per_query(slopes, s.shape) * rel
             if masked:
-                s = jnp.where((pos >= first) & (pos < n), s, -jnp.inf)
+                s = jnp.where((pos >= it.first) & (pos < it.n), s, -jnp.inf)
             m_next = jnp.maximum(m_prev, s.max(axis=token_axis))
             m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
             alpha = jnp.exp(m_prev - m_safe)  # f32[q_rows]
@@ -867,12 +1001,12 @@ def _paged_decode_kernel(
                 v_tile = vc_smem.at[vslot]
             elif convert:
                 plgpu.barrier_wait(v_bars.at[slot])
-                store_v(slot, vc_smem, tile, masked)
+                store_v(slot, vc_smem, tile, masked, it)
                 v_tile = vc_smem
             else:
                 plgpu.barrier_wait(v_bars.at[slot])
                 if masked:  # in place
-                    v_smem[slot] = zero_invalid_rows(v_smem[slot], tile)
+                    v_smem[slot] = zero_invalid_rows(v_smem[slot], tile, it)
                     plgpu.commit_smem()
                 v_tile = v_smem.at[slot]
 
@@ -894,17 +1028,16 @@ def _paged_decode_kernel(
             # A fresh accumulator per tile (its own scope: interpret mode cannot mix ACC with
             # other memory spaces, nor seed it from registers), added to the rescaled sum.
             pv_tile = pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
-            # Both wgmmas have read the stage (or its converted V): free it, when the producer
-            # will refill it (every arrival is waited for, so no barrier phase is left
-            # unobserved).
+            # Both wgmmas have read the stage (or its converted V): free it (with
+            # fp8_v_in_producer, when the producer will refill it; else always, and the producer
+            # waits for the arrivals it did not need at its end: every arrival is waited for, so
+            # no barrier phase is left unobserved).
             if fp8_v_in_producer:
                 @pl.when(step + v_ring < num_tiles)
                 def _free_converted():
                     plgpu.barrier_arrive(vfree_bars.at[vslot])
             else:
-                @pl.when(step + num_stages < num_tiles)
-                def _free():
-                    plgpu.barrier_arrive(free_bars.at[slot])
+                plgpu.barrier_arrive(free_bars.at[slot])
 
             acc = acc * per_query(alpha, acc.shape) + pv_tile
             return acc, m_next, l_parts
@@ -914,24 +1047,26 @@ def _paged_decode_kernel(
                  jnp.zeros(score_shape, jnp.float32))
         my_tiles = (num_tiles - c + num_consumers - 1) // num_consumers  # >= 0
         # the split's first tile is this consumer's first step, its last one its last step
-        acc, m, l_parts = walk(my_tiles, tile_body, carry, first_owner=c == 0,
+        acc, m, l_parts = walk(it, my_tiles, tile_body, carry, first_owner=c == 0,
                                last_owner=c == jax.lax.rem(jnp.maximum(num_tiles - 1, 0),
                                                            num_consumers))
         if finalize:
-            write_final(acc, m, l_parts.sum(axis=token_axis), sinks_smem, ml_smem, final_smem)
+            write_final(it, acc, m, l_parts.sum(axis=token_axis), sinks_smem, ml_smem,
+                        final_smem)
         else:
-            write_partials(c, acc, m, l_parts.sum(axis=token_axis), o_smem, ml_smem)
+            write_partials(c, it, acc, m, l_parts.sum(axis=token_axis), o_smem, ml_smem)
 
-    def consume_nothing(c, k_bars, v_bars, free_bars, vconv_bars, vfree_bars):
-        """The timing probe's consumer ``c``: waits for each of its tiles (with
+    def consume_nothing(c, it, base, k_bars, v_bars, free_bars, vconv_bars, vfree_bars):
+        """The timing probe's consumer ``c`` on item ``it``: waits for each of its tiles (with
         ``fp8_v_in_producer``, for K and the converted V) and frees them at once (no math, and
         no partial result written: the probe's output is not attention)."""
+        num_tiles = it.num_tiles
         my_tiles = (num_tiles - c + num_consumers - 1) // num_consumers
 
         @pl.loop(0, my_tiles)
         def _drain(i):
             step = c + i * num_consumers
-            slot = jax.lax.rem(step, num_stages)
+            slot = jax.lax.rem(base + step, num_stages)
             plgpu.barrier_wait(k_bars.at[slot])
             if fp8_v_in_producer:
                 vslot = jax.lax.rem(step, v_ring)
@@ -940,46 +1075,49 @@ def _paged_decode_kernel(
                 @pl.when(step + v_ring < num_tiles)
                 def _free_converted():
                     plgpu.barrier_arrive(vfree_bars.at[vslot])
+
+                @pl.when(step + num_stages < num_tiles)
+                def _free():
+                    plgpu.barrier_arrive(free_bars.at[slot])
             else:
                 plgpu.barrier_wait(v_bars.at[slot])
+                plgpu.barrier_arrive(free_bars.at[slot])  # the producer waits for every arrival
 
-            @pl.when(step + num_stages < num_tiles)
-            def _free():
-                plgpu.barrier_arrive(free_bars.at[slot])
-
-    def write_final(acc, m, l, sinks_smem, ml_smem, final_smem):
-        """The one part of this (sequence, kv head), normalized as `_merge_splits` normalizes one
-        split (the same operations in the same order: ``v_scale``, the sink, the division),
-        written to ``out`` and ``lse`` (`write_normalized`): no merge after the kernel."""
+    def write_final(it, acc, m, l, sinks_smem, ml_smem, final_smem):
+        """The one part of item ``it``, normalized as `_merge_splits` normalizes one split (the
+        same operations in the same order: ``v_scale``, the sink, the division), written to
+        ``out`` and ``lse`` (`write_normalized`): no merge after the kernel."""
         out_ref, lse_ref = out_refs
         o = acc if v_scale_ref is None else acc * v_scale_ref[0]
         sink = None
         if sinks_smem is not None:
-            sink = plgpu.load(sinks_smem, layout=plgpu.Layout.WGMMA.reduce(token_axis))
+            sink = plgpu.load(sinks_smem.at[pl.ds(0, q_rows)],
+                              layout=plgpu.Layout.WGMMA.reduce(token_axis))
         m_total = finite_total_max(m, sink)
         weight = jnp.exp(m - m_total)  # f32[q_rows], 0 where this part saw no key
         l_total = weight * l
         if sink is not None:
             l_total = l_total + jnp.exp(sink - m_total)
-        write_normalized(plgpu, o * per_query(weight, o.shape), m_total, l_total, n=n, b=b, h=h,
-                         group=group, group_column=box.column, queries_in_n=queries_in_n,
-                         out_dtype=out_dtype, final_smem=final_smem, lse_smem=ml_smem.at[0],
-                         out_ref=out_ref, lse_ref=lse_ref)
+        write_normalized(plgpu, o * per_query(weight, o.shape), m_total, l_total, n=it.n,
+                         b=it.b, h=it.h, group=group, group_column=it.box.column,
+                         queries_in_n=queries_in_n, out_dtype=out_dtype, final_smem=final_smem,
+                         lse_smem=ml_smem.at[0], out_ref=out_ref, lse_ref=lse_ref)
 
-    def write_partials(c, acc, m, l, o_smem, ml_smem):
-        """Consumer ``c``'s unnormalized ``(o, m, l)``, through shared memory to its part."""
+    def write_partials(c, it, acc, m, l, o_smem, ml_smem):
+        """Consumer ``c``'s unnormalized ``(o, m, l)`` of item ``it``, through shared memory to
+        its part."""
         o_ref, m_ref, l_ref = out_refs
         o_smem[...] = acc
         ml_smem[0] = m
         ml_smem[1] = l
         plgpu.commit_smem()
-        part = split * num_consumers + c
+        part = it.split * num_consumers + c
         # O^T whole (a transposed store of f32 registers finds no layout in compiled Mosaic
         # GPU); the caller transposes it and drops the padding columns.
         o_rows = o_smem if queries_in_n else o_smem.at[pl.ds(0, group)]
-        plgpu.copy_smem_to_gmem(o_rows, o_ref.at[b, h, part])
-        plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[b, h, part])
-        plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[b, h, part])
+        plgpu.copy_smem_to_gmem(o_rows, o_ref.at[it.b, it.h, part])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[it.b, it.h, part])
+        plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[it.b, it.h, part])
         plgpu.wait_smem_to_gmem(0)
 
     def smem(shape, dtype, *, mma_operand):
@@ -987,8 +1125,9 @@ def _paged_decode_kernel(
 
     cache_dtype = k_ref.dtype
     consumers = num_consumers
+    per_query_shape = (q_slots, per_query_slot(q_rows, q_slots))
     scratch = (
-        smem((q_rows, head_dim), compute_dtype, mma_operand=True),
+        smem((q_slots, q_rows, head_dim), compute_dtype, mma_operand=True),
         smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
         smem((num_stages, block_k, head_dim), cache_dtype, mma_operand=True),
         (smem((consumers, block_k, head_dim), compute_dtype, mma_operand=True)
@@ -996,13 +1135,16 @@ def _paged_decode_kernel(
         (smem((v_ring if fp8_v_in_producer else consumers, block_k, head_dim),
               compute_dtype, mma_operand=True) if convert else None),
         smem((consumers, q_rows, block_k), compute_dtype, mma_operand=True),
-        smem((q_rows,), jnp.float32, mma_operand=False) if alibi_ref is not None else None,
-        smem((q_rows,), jnp.float32, mma_operand=False) if sinks_ref is not None else None,
+        smem(per_query_shape, jnp.float32, mma_operand=False) if alibi_ref is not None else None,
+        smem(per_query_shape, jnp.float32, mma_operand=False) if sinks_ref is not None else None,
         smem((consumers,) + acc_shape, jnp.float32, mma_operand=False),
         smem((consumers, 2, q_rows), jnp.float32, mma_operand=False),
         final_smem_scratch(plgpu, q_rows, head_dim, out_dtype, queries_in_n) if finalize else None,
-        # q (and the slopes, the sinks)
-        plgpu.Barrier(num_arrivals=1 + (alibi_ref is not None) + (sinks_ref is not None)),
+        # q (and the slopes, the sinks) of a query slot copied
+        plgpu.Barrier(num_arrivals=1 + (alibi_ref is not None) + (sinks_ref is not None),
+                      num_barriers=q_slots),
+        # persistent: the consumer is done with a query slot
+        plgpu.Barrier(num_barriers=q_slots) if programs is not None else None,
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
         # a stage's consumer, and with fp8_v_in_producer the producer too, are done with it
@@ -1227,6 +1369,13 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     # Interpret mode takes wgmma operands from shared memory only: the same numbers through the
     # converted tile in shared memory there.
     k_in_registers = config.fp8_k_in_registers and compute_dtype != k_cache.dtype and not interpret
+    if config.persistent:  # as many CTAs as stay resident, each walking its work items
+        smem = smem_bytes(head_dim, k_cache.dtype, compute_dtype, config, alibi=True,
+                          group=group, finalize=finalize)
+        programs = persistent_programs(batch * kvh * splits, smem, sm_count())
+        grid, grid_names = (programs,), ("program",)
+    else:
+        programs, grid, grid_names = None, (batch, kvh, splits), ("batch", "kv_head", "split")
     body = functools.partial(
         _paged_decode_kernel, plgpu=plgpu, scale=scale, group=group,
         block_k=config.block_k, num_splits=splits, num_stages=config.num_stages,
@@ -1235,7 +1384,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         fp8_v_in_producer=config.fp8_v_in_producer and compute_dtype != k_cache.dtype,
         soft_cap=logits_soft_cap, window=sliding_window,
         compute_dtype=compute_dtype, finalize=finalize, out_dtype=q.dtype, rows_of_8=rows_of_8,
-        producer_only=producer_only)
+        programs=programs, producer_only=producer_only)
     # fp8: the scales (python floats or traced f32[]) operands, so one program serves every scale
     k_scale_operand, v_scale_operand = kernel_scale_operands(k_scale, v_scale)
     kernel_body, optional = with_optional_operands(body, 5, {  # in the kernel's order
@@ -1260,12 +1409,13 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
             + ("_kreg" if k_in_registers else "")
             + ("_vprod" if config.fp8_v_in_producer and compute_dtype != k_cache.dtype else "")
             + ("_final" if finalize else "")
+            + (f"_persistent{programs}" if programs else "")
             + ("_producer_only" if producer_only else ""))
     outs = plgpu.kernel(
         kernel_body,
         out_type=out_type,
-        grid=(batch, kvh, splits),
-        grid_names=("batch", "kv_head", "split"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=1 + config.num_consumers,
         thread_name="wg",
         kernel_name=name,
