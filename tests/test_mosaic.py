@@ -500,8 +500,8 @@ def test_heuristic_config_fits_and_splits_small_batches():
                                               queries_in_n=True)),
     (32, 4096, "bfloat16", MosaicDecodeConfig(block_k=128, num_splits=1, num_stages=2,
                                               queries_in_n=True)),
-    (128, 1024, "bfloat16", MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=3,
-                                               queries_in_n=True)),
+    (128, 1024, "bfloat16", MosaicDecodeConfig(block_k=128, num_splits=1, num_stages=2,
+                                               queries_in_n=True, persistent=True)),
     (8, 16384, "float8_e4m3fn", MosaicDecodeConfig(block_k=64, num_splits=4, num_stages=2,
                                                    queries_in_n=True, fp8_k_in_registers=True,
                                                    fp8_v_in_producer=True)),
@@ -511,7 +511,8 @@ def test_heuristic_config_fits_and_splits_small_batches():
 ])
 def test_heuristic_config_at_the_measured_shapes(batch, context, dtype, expected):
     """The configs measured fastest on the H200 (docs/BENCHMARKS.md): the queries in N with one
-    consumer; 128-token tiles for 16-bit caches where the CTAs make about one wave, else 64."""
+    consumer; 128-token tiles for 16-bit caches where the CTAs make about one wave, and past two
+    waves in persistent CTAs; 64 for fp8 caches."""
     from pallas_paged.decode_attention.configs import get_mosaic_heuristic_config
     shape = pp.DecodeShape(batch=batch, num_kv_heads=8, group=4, head_dim=128, block_size=16,
                            capacity=context, cache_dtype=dtype)
@@ -682,7 +683,8 @@ def test_persistent_ctas_walk_several_work_items(rng, config, cache, monkeypatch
     """With `MosaicDecodeConfig.persistent` on one multiprocessor (patched), each CTA walks
     several work items (sequence, kv head, split) of different tile counts, empty ones
     included, with the ring's stages and the query slots carried from one to the next: every
-    option against the oracle, and bit for bit the output and lse of one CTA per item."""
+    option against the oracle, and the output and lse of one CTA per item (bit for bit in
+    interpret mode, within an ulp compiled)."""
     monkeypatch.setattr(mosaic_gpu, "sm_count", lambda: 1)
     fp8 = cache == "float8_e4m3fn"
     dtype = "float16" if fp8 or cache == "float16" else "bfloat16"
@@ -701,8 +703,14 @@ def test_persistent_ctas_walk_several_work_items(rng, config, cache, monkeypatch
     np.testing.assert_allclose(lse, expected_lse, atol=1e-4, rtol=1e-5)
     per_item = dataclasses.replace(config, persistent=False)
     out_per_item, lse_per_item = mosaic(paged, per_item, return_lse=True, **scales, **options)
-    np.testing.assert_array_equal(out, out_per_item)
-    np.testing.assert_array_equal(lse, lse_per_item)
+    if NO_GPU:  # the same operations, simulated
+        np.testing.assert_array_equal(out, out_per_item)
+        np.testing.assert_array_equal(lse, lse_per_item)
+    else:  # two programs compiled apart may round an fp32 value apart (on the H200: an lse by
+        # one ulp, 2026-12-03)
+        eps = float(jnp.finfo(NP_DTYPES[dtype]).eps)
+        np.testing.assert_allclose(out, out_per_item, rtol=eps, atol=eps)
+        np.testing.assert_allclose(lse, lse_per_item, rtol=1e-6, atol=1e-6)
 
 
 @on_every_jax
@@ -987,7 +995,8 @@ def _realistic(rng, batch, context, dtype, num_kv_heads=8):
 @pytest.mark.gpu
 @pytest.mark.parametrize("queries_in_n", [False, True])
 @pytest.mark.parametrize("batch,context,dtype", [(1, 32768, "bfloat16"), (32, 4096, "bfloat16"),
-                                                 (32, 4096, "float8_e4m3fn")])
+                                                 (32, 4096, "float8_e4m3fn"),
+                                                 (128, 1024, "bfloat16")])  # persistent
 def test_compiled_kernel_at_realistic_shapes(rng, batch, context, dtype, queries_in_n):
     """Against impl="xla" (fp32 inside; the oracle's loops would take minutes at these sizes),
     with the config decode picks on an H200 and the queries in N or in M."""

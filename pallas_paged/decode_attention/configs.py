@@ -311,6 +311,12 @@ def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDeco
       N against the queries in M of the configs before, the other fields alike: bf16 B=32 1.09x,
       B=128 1.18x, B=256 1.31x, MHA 1.10x; fp8 B=32 and B=8 1.56x and 1.50x (against two
       consumers of the queries in M, with 2 stages).
+    - ``persistent`` for 16-bit caches past two waves of CTAs, with groups of 4 or 8 (the
+      kernel normalizes their output itself), with 128-token tiles and 2 stages (one CTA per
+      multiprocessor): on the H200 (2026-12-03, `bench_mosaic --config ps1/...`) B=128/ctx 1024
+      144.8 -> 134.4 us (0.88 -> 0.95 of copy; 64-token tiles with 3 stages 138.4, with 2
+      stages 147.1), B=256/ctx 512 154.7 -> 137.9 us (0.83 -> 0.93). Not for MHA (a group of 1,
+      merged by XLA: 504.3 -> 510.4-535.5 us).
     - ``block_k``: for 16-bit caches, 128-token tiles where the CTAs fit about two waves at one
       CTA per multiprocessor (B=32: 141.9 us; B=1 with 16 splits: 42.1 us against 43.8 with 64
       and 4 stages), else 64 (B=128 141.9 us against 152.0 with 128, B=256 153.3 against 161.5:
@@ -335,12 +341,15 @@ def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDeco
     wanted = (2 if fp8 else 1) * sm_count / programs
     splits = 1 << max(0, round(math.log2(wanted))) if wanted > 1 else 1
     few_ctas = programs * splits <= 2 * sm_count  # two waves or fewer at one CTA per SM
-    block_k = 128 if not fp8 and few_ctas else 64
+    # Past two waves, for 16-bit caches and groups the kernel normalizes itself (4 or 8 query
+    # heads: 8 columns of the wgmmas), persistent CTAs of 128-token tiles.
+    persistent = not fp8 and not few_ctas and shape.group in (4, 8)
+    block_k = 128 if not fp8 and (few_ctas or persistent) else 64
     splits = max(1, min(splits, max(1, shape.capacity // (4 * block_k)), 256))
     num_stages = 2 if fp8 or block_k == 128 else 3
     return MosaicDecodeConfig(block_k=block_k, num_splits=splits, num_stages=num_stages,
                               num_consumers=1, queries_in_n=True, fp8_k_in_registers=fp8,
-                              fp8_v_in_producer=fp8)
+                              fp8_v_in_producer=fp8, persistent=persistent)
 
 
 # device kind -> shape class -> Mosaic config, measured like TUNED: `python -m benchmarks.bench_mosaic
