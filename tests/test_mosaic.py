@@ -684,7 +684,8 @@ def test_persistent_ctas_walk_several_work_items(rng, config, cache, monkeypatch
     several work items (sequence, kv head, split) of different tile counts, empty ones
     included, with the ring's stages and the query slots carried from one to the next: every
     option against the oracle, and the output and lse of one CTA per item (bit for bit in
-    interpret mode, within an ulp compiled)."""
+    interpret mode, within an ulp compiled). The sequences' lengths are in no order, so the
+    CTAs take them as XLA sorted them, longest first."""
     monkeypatch.setattr(mosaic_gpu, "sm_count", lambda: 1)
     fp8 = cache == "float8_e4m3fn"
     dtype = "float16" if fp8 or cache == "float16" else "bfloat16"
@@ -711,6 +712,23 @@ def test_persistent_ctas_walk_several_work_items(rng, config, cache, monkeypatch
         eps = float(jnp.finfo(NP_DTYPES[dtype]).eps)
         np.testing.assert_allclose(out, out_per_item, rtol=eps, atol=eps)
         np.testing.assert_allclose(lse, lse_per_item, rtol=1e-6, atol=1e-6)
+
+
+@on_every_jax
+@pytest.mark.parametrize("programs,items", [(4, 16), (4, 15), (4, 13), (4, 10), (5, 5), (3, 2),
+                                            (132, 1024), (132, 512)])
+def test_persistent_ctas_are_dealt_every_item_once_in_snake_order(programs, items):
+    """`dealt_items` / `dealt_index`: every item goes to exactly one CTA; round ``j`` gives
+    items ``j * P ..`` in CTA order on even rounds and reversed on odd ones."""
+    seen = []
+    for p in range(programs):
+        count = int(mosaic_gpu.dealt_items(jnp.int32(p), programs, items))
+        indices = [int(mosaic_gpu.dealt_index(jnp.int32(p), j, programs)) for j in range(count)]
+        for j, index in enumerate(indices):
+            assert index // programs == j
+            assert index % programs == (p if j % 2 == 0 else programs - 1 - p)
+        seen += indices
+    assert sorted(seen) == list(range(items))
 
 
 @on_every_jax

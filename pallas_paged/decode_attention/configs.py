@@ -247,13 +247,14 @@ class MosaicDecodeConfig:
         on 16-bit caches, whose stage is the operand as it is.
       persistent: as many CTAs as the GPU holds at once (`mosaic_gpu.persistent_programs`: the
         multiprocessors times the CTAs of this config's shared memory one holds, at most the
-        work items), each walking the work items (sequence, kv head, split) ``p, p + P, ...``
-        instead of one CTA per item. The producer streams the next item's first tiles into the
-        ring while the consumer finishes the item before (its normalization or partial result),
-        and each CTA fills its ring once, not once per item. Items are dealt statically, so
-        sequences of very different lengths can leave some CTAs longer than others, where the
-        hardware's scheduling of one CTA per item would balance them. Needs one consumer and
-        not ``fp8_v_in_producer``.
+        work items), each walking several work items (sequence, kv head, split) instead of one
+        CTA per item. The producer streams the next item's first tiles into the ring while the
+        consumer finishes the item before (its normalization or partial result), and each CTA
+        fills its ring once, not once per item. The items are dealt before the kernel runs:
+        XLA sorts the sequences by length (one small sort per call), and the items, longest
+        first, go to the CTAs in rounds of snake order (`mosaic_gpu.dealt_index`), so that
+        sequences of different lengths still leave the CTAs about equal work. Needs one
+        consumer and not ``fp8_v_in_producer``.
       fp8_v_in_producer: fp8 caches: the producer warpgroup, which otherwise only issues the
         copies, converts each V tile to fp16 (zeroing the rows outside the sequence on tiles
         that hold any) into a ring of two converted tiles that the consumer's ``P V`` wgmma

@@ -590,6 +590,24 @@ def persistent_programs(items: int, smem: int, sm_count: int) -> int:
     return max(1, min(items, sm_count * ctas_per_sm(smem)))
 
 
+def dealt_index(program, j, programs: int):
+    """The work item of the ``j``-th round of persistent CTA ``program`` of ``programs``: the
+    items (longest sequences first, `MosaicDecodeConfig.persistent`) are dealt in rounds of one
+    per CTA, in snake order (round 0: CTA 0 first; round 1: CTA ``programs - 1`` first; ...), so
+    that the CTA that took the longest item of one round takes the shortest of the next, as a
+    longest-first greedy schedule does."""
+    reverse = jax.lax.rem(j, 2) == 1
+    return j * programs + jnp.where(reverse, programs - 1 - program, program)
+
+
+def dealt_items(program, programs: int, items: int):
+    """How many items `dealt_index` gives CTA ``program``: one per full round, and one of the
+    last, partial round where its position in that round's order falls before its end."""
+    rounds, left = divmod(items, programs)
+    position = program if rounds % 2 == 0 else programs - 1 - program
+    return rounds + (position < left).astype(jnp.int32)
+
+
 def query_slots(persistent: bool) -> int:
     """Shared-memory slots of the query (and its slopes and sinks): two for a persistent CTA,
     which copies the next work item's query while the consumer still reads this one's; one
@@ -611,6 +629,7 @@ def _paged_decode_kernel(
                   # or with rows_of_8: the query as it is, [batch * num_heads, head_dim]
     k_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]    (the cache)
     v_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]
+    order_ref,    # i32[batch] or None (persistent): the sequences, longest first (`deal_items`)
     alibi_ref,    # f32[num_kv_heads, R] or None (rows_of_8: f32[num_heads])
     sinks_ref,    # f32[num_kv_heads, R] or None (finalize only; the merge adds them otherwise;
                   # rows_of_8: f32[num_heads])
@@ -675,13 +694,14 @@ def _paged_decode_kernel(
             del j
             return work_item(jax.lax.axis_index("batch"), jax.lax.axis_index("kv_head"),
                              jax.lax.axis_index("split"))
-    else:  # persistent: the items program, program + programs, ... (the sequence fastest)
+    else:  # persistent: the items `deal_items` gives this CTA
         program = jax.lax.axis_index("program")
-        my_items = (batch * kvh * num_splits - program + programs - 1) // programs
+        items = batch * kvh * num_splits
+        my_items = dealt_items(program, programs, items)
 
         def item_at(j):
-            index = program + j * programs
-            return work_item(index % batch, index // batch % kvh, index // (batch * kvh))
+            rank, rest = jnp.divmod(dealt_index(program, j, programs), kvh * num_splits)
+            return work_item(order_ref[rank], rest // num_splits, rest % num_splits)
 
     def for_each_item(item_body, carry):
         """``item_body(j, carry)`` over this CTA's items ``j`` (one, unlooped, without
@@ -1388,6 +1408,8 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     # fp8: the scales (python floats or traced f32[]) operands, so one program serves every scale
     k_scale_operand, v_scale_operand = kernel_scale_operands(k_scale, v_scale)
     kernel_body, optional = with_optional_operands(body, 5, {  # in the kernel's order
+        # persistent: the sequences longest first, so that `dealt_index` balances the CTAs
+        "order": jnp.argsort(-lens).astype(jnp.int32) if programs else None,
         "alibi": per_query_operand(alibi_slopes),
         "sinks": per_query_operand(sinks) if finalize else None,
         "k_scale": k_scale_operand,
