@@ -590,6 +590,15 @@ def persistent_programs(items: int, smem: int, sm_count: int) -> int:
     return max(1, min(items, sm_count * ctas_per_sm(smem)))
 
 
+def sort_by_length(lens):
+    """``(order, sorted_lens)``, i32[batch] each: the sequences by length, shortest first (ties
+    in index order), and their lengths, from one XLA sort, for persistent CTAs to deal the
+    longest first (`dealt_index`) with each item's sequence and length two independent loads."""
+    sorted_lens, order = jax.lax.sort(
+        (lens, jax.lax.broadcasted_iota(jnp.int32, lens.shape, 0)), num_keys=1)
+    return order, sorted_lens
+
+
 def dealt_index(program, j, programs: int):
     """The work item of the ``j``-th round of persistent CTA ``program`` of ``programs``: the
     items (longest sequences first, `MosaicDecodeConfig.persistent`) are dealt in rounds of one
@@ -629,7 +638,8 @@ def _paged_decode_kernel(
                   # or with rows_of_8: the query as it is, [batch * num_heads, head_dim]
     k_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]    (the cache)
     v_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]
-    order_ref,    # i32[batch] or None (persistent): the sequences, longest first (`deal_items`)
+    order_ref,    # i32[batch] or None (persistent): the sequences by length, shortest first
+    sorted_lens_ref,  # i32[batch] or None (persistent): their lengths (`sort_by_length`)
     alibi_ref,    # f32[num_kv_heads, R] or None (rows_of_8: f32[num_heads])
     sinks_ref,    # f32[num_kv_heads, R] or None (finalize only; the merge adds them otherwise;
                   # rows_of_8: f32[num_heads])
@@ -675,8 +685,10 @@ def _paged_decode_kernel(
     score_shape = (block_k, q_rows) if queries_in_n else (q_rows, block_k)
     acc_shape = (head_dim, q_rows) if queries_in_n else (q_rows, head_dim)  # O^T or O
 
-    def work_item(b, h, split) -> WorkItem:
-        n = jnp.clip(lens_ref[b], 0, max_blocks * block_size)
+    def work_item(b, h, split, length=None) -> WorkItem:
+        """Item (``b``, ``h``, ``split``), with ``length`` the sequence's (else read from
+        ``lens_ref``)."""
+        n = jnp.clip(lens_ref[b] if length is None else length, 0, max_blocks * block_size)
         first, tile_lo, tile_hi = tile_range(n, split, block_k=block_k, num_splits=num_splits,
                                              window=window)
         # rows_of_8 (`reads_rows_of_8`): the CTA reads the 8 query rows (and slopes, sinks) of
@@ -701,7 +713,9 @@ def _paged_decode_kernel(
 
         def item_at(j):
             rank, rest = jnp.divmod(dealt_index(program, j, programs), kvh * num_splits)
-            return work_item(order_ref[rank], rest // num_splits, rest % num_splits)
+            sorted_at = batch - 1 - rank  # the longest first; b and n two loads side by side
+            return work_item(order_ref[sorted_at], rest // num_splits, rest % num_splits,
+                             length=sorted_lens_ref[sorted_at])
 
     def for_each_item(item_body, carry):
         """``item_body(j, carry)`` over this CTA's items ``j`` (one, unlooped, without
@@ -1408,8 +1422,8 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     # fp8: the scales (python floats or traced f32[]) operands, so one program serves every scale
     k_scale_operand, v_scale_operand = kernel_scale_operands(k_scale, v_scale)
     kernel_body, optional = with_optional_operands(body, 5, {  # in the kernel's order
-        # persistent: the sequences longest first, so that `dealt_index` balances the CTAs
-        "order": jnp.argsort(-lens).astype(jnp.int32) if programs else None,
+        # persistent: the sequences by length, so that `dealt_index` balances the CTAs
+        **dict(zip(("order", "sorted_lens"), sort_by_length(lens) if programs else (None,) * 2)),
         "alibi": per_query_operand(alibi_slopes),
         "sinks": per_query_operand(sinks) if finalize else None,
         "k_scale": k_scale_operand,
