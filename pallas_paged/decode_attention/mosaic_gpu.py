@@ -700,29 +700,35 @@ def _paged_decode_kernel(
                         box=query_box(b, h, kvh=kvh, group=group, rows_of_8=rows_of_8))
 
     if programs is None:  # the grid (batch, kv head, split): one work item per CTA
-        my_items = 1
-
         def item_at(j):
             del j
             return work_item(jax.lax.axis_index("batch"), jax.lax.axis_index("kv_head"),
                              jax.lax.axis_index("split"))
-    else:  # persistent: the items `deal_items` gives this CTA
+    else:  # persistent: the items `dealt_index` gives this CTA
         program = jax.lax.axis_index("program")
-        items = batch * kvh * num_splits
-        my_items = dealt_items(program, programs, items)
+        my_items = dealt_items(program, programs, batch * kvh * num_splits)
 
-        def item_at(j):
+        def item_source(j):
+            """``(b, h, split, length)`` of the CTA's ``j``-th item: the sequence and its length
+            two loads side by side (`sort_by_length`; the longest first)."""
             rank, rest = jnp.divmod(dealt_index(program, j, programs), kvh * num_splits)
-            sorted_at = batch - 1 - rank  # the longest first; b and n two loads side by side
-            return work_item(order_ref[sorted_at], rest // num_splits, rest % num_splits,
-                             length=sorted_lens_ref[sorted_at])
+            sorted_at = batch - 1 - rank
+            return (order_ref[sorted_at], rest // num_splits, rest % num_splits,
+                    sorted_lens_ref[sorted_at])
 
     def for_each_item(item_body, carry):
-        """``item_body(j, carry)`` over this CTA's items ``j`` (one, unlooped, without
-        ``programs``)."""
+        """``item_body(j, item, carry)`` over this CTA's items ``j`` (one, unlooped, without
+        ``programs``). Persistent, each item's sequence and length are loaded while the item
+        before is worked on (their latency off the path from one item to the next)."""
         if programs is None:
-            return item_body(0, carry)
-        return jax.lax.fori_loop(0, my_items, item_body, carry)
+            return item_body(0, item_at(0), carry)
+
+        def next_item(j, state):
+            source, carry = state
+            ahead = item_source(jnp.minimum(j + 1, my_items - 1))  # used by the next step
+            return ahead, item_body(j, work_item(*source), carry)
+
+        return jax.lax.fori_loop(0, my_items, next_item, (item_source(0), carry))[1]
 
     def masked_steps(it, first_owner, last_owner, count):
         """``(lo, hi)``: of the ``count`` tiles of item ``it`` a warpgroup walks (its steps
@@ -891,14 +897,13 @@ def _paged_decode_kernel(
                 produce_converting_v(it, vc_smem)
                 return
 
-            def produce_item(j, base):
+            def produce_item(j, it, base):
                 """Item ``j``: its query into slot ``j % q_slots`` once the consumer is done
                 with the item that had it, then its tiles, each in the ring's stage of its step
                 ``base + step`` counted across the items (``base``: the tiles before it), at most
                 ``num_stages`` ahead of the consumer. A tile's table entries are loaded before
                 waiting for its stage to be free, so their latency hides behind the wait (only
                 tiles of the range are visited: an empty range reads no entry)."""
-                it = item_at(j)
                 qslot = jax.lax.rem(j, q_slots)
                 if q_free_bars is not None:
 
@@ -937,8 +942,7 @@ def _paged_decode_kernel(
         C, ...`` of the split), then its partial results, or with ``finalize`` the normalized
         output. The per-consumer refs come without their leading axis (``vc_smem``: the
         producer's whole ring with ``fp8_v_in_producer``)."""
-        def consume_item(j, base):
-            it = item_at(j)
+        def consume_item(j, it, base):
             qslot = jax.lax.rem(j, q_slots)
             plgpu.barrier_wait(q_bars.at[qslot])
             if producer_only:
