@@ -314,10 +314,12 @@ def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDeco
       consumers of the queries in M, with 2 stages).
     - ``persistent`` for 16-bit caches past two waves of CTAs, with groups of 4 or 8 (the
       kernel normalizes their output itself), with 128-token tiles and 2 stages (one CTA per
-      multiprocessor): on the H200 (2026-12-03, `bench_mosaic --config ps1/...`) B=128/ctx 1024
-      144.8 -> 134.4 us (0.88 -> 0.95 of copy; 64-token tiles with 3 stages 138.4, with 2
-      stages 147.1), B=256/ctx 512 154.7 -> 137.9 us (0.83 -> 0.93). Not for MHA (a group of 1,
-      merged by XLA: 504.3 -> 510.4-535.5 us).
+      multiprocessor). On the H200 (2026-12-03, `bench_mosaic`, `mosaic_against`; runs spread
+      by up to 10%): the ragged B=64/ctx 1..8192 batch 297.8-316.7 -> 268.1-273.8 us (0.86 ->
+      0.94-0.97 of copy, 1.08-1.10x the Triton kernel), B=256/ctx 512 151.4-158.1 ->
+      137.9-146.7 us, B=128/ctx 1024 144.1-151.4 -> 134.4-141.5 us, B=64/ctx 2048 138.1-143.6
+      -> 136.2-138.0 us (64-token tiles with 2 or 3 stages: slower). Not for MHA (a group of
+      1, merged by XLA: 504.3 -> 510.4-535.5 us).
     - ``block_k``: for 16-bit caches, 128-token tiles where the CTAs fit about two waves at one
       CTA per multiprocessor (B=32: 141.9 us; B=1 with 16 splits: 42.1 us against 43.8 with 64
       and 4 stages), else 64 (B=128 141.9 us against 152.0 with 128, B=256 153.3 against 161.5:

@@ -9,6 +9,10 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
    ``block_k`` consecutive tokens of the sequence: ``block_k / block_size`` whole pages (one TMA
    copy each, addressed by the block id read from the table in GMEM) or, for pages larger than a
    tile, one slice of one page.
+   With ``MosaicDecodeConfig.persistent`` the grid is instead as many CTAs as stay resident,
+   and each walks several such work items (`dealt_index`: the longest sequences first, from an
+   XLA sort, in snake-order rounds), the ring's stages and two query slots carried from one item
+   to the next, so the producer streams the next item's tiles while the consumer finishes one.
    - The producer warpgroup copies the queries, then walks the split's tiles, reads each tile's
      table entries, waits until its stage of the ring of ``num_stages`` shared-memory stages is
      free, and issues the TMA copies of K and V, which complete the stage's mbarriers. With
@@ -1344,10 +1348,11 @@ def _copies_per_tile(block_size: int, block_k: int) -> int:
 def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                        config: MosaicDecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
                        sliding_window, sinks, k_scale, v_scale, producer_only: bool = False):
-    """The kernel over the grid ``(batch, num_kv_heads, num_splits)``, with the XLA work that
-    builds its operands (the query padded to the kernel's rows where it is not read in boxes of
-    8, for fp8 caches divided into fp16's range; the padded ALiBi slopes and sinks; the score
-    multipliers), and the Mosaic merge after it where one applies (`merges_in_mosaic`).
+    """The kernel over the grid ``(batch, num_kv_heads, num_splits)`` (persistent: over
+    `persistent_programs` CTAs), with the XLA work that builds its operands (the query padded to
+    the kernel's rows where it is not read in boxes of 8, for fp8 caches divided into fp16's
+    range; the padded ALiBi slopes and sinks; the score multipliers; persistent, the sequences
+    sorted by length), and the Mosaic merge after it where one applies (`merges_in_mosaic`).
 
     Arguments as `decode_mosaic`.
 
