@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import warnings
 
 import jax
@@ -35,6 +36,15 @@ def sm_count() -> int:
     """Multiprocessors of the default device (``DEFAULT_SM_COUNT`` when it does not say)."""
     device = jax.devices()[0]
     return int(getattr(device, "core_count", 0) or DEFAULT_SM_COUNT)
+
+
+def xla_cpu_threads() -> int:
+    """Threads in each of the XLA CPU client's pools: ``NPROC`` where the environment sets it (XLA
+    reads it when the client starts), else the CPUs this process may run on."""
+    nproc = os.environ.get("NPROC", "")
+    if nproc.isdigit() and int(nproc) > 0:
+        return int(nproc)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def next_power_of_2(x: int) -> int:

@@ -13,11 +13,22 @@ torch_ref's own output (the JAX impls) and free of systematic bias.
 - `parity.report`: the table, progress lines, JSON.
 - ``python -m parity``: the CLI (``--help``).
 
-Importing this package sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (unless already set) before
-anything imports JAX: torch_ref and JAX share the GPU in a sweep, and JAX would otherwise reserve
-most of its memory up front.
+Importing this package, before anything starts JAX, sets two environment variables (unless
+already set):
+
+- ``XLA_PYTHON_CLIENT_PREALLOCATE=false``: torch_ref and JAX share the GPU in a sweep, and JAX
+  would otherwise reserve most of its memory up front.
+- ``NPROC`` to at least `INTERPRET_CPU_THREADS`: the size of the XLA CPU client's thread pools
+  (else one thread per CPU). Mosaic GPU's interpret mode runs each warpgroup of a CTA as a JAX
+  computation of its own whose barrier waits block inside host callbacks, and XLA may run those
+  callbacks on its pools: with fewer pool threads than warpgroups, waiting warpgroups can hold
+  every thread while the one they wait for queues behind them, and the call never returns (seen:
+  a producer and three consumers on a 2-CPU machine). The kernel has at most five warpgroups.
 """
 
 import os
 
+INTERPRET_CPU_THREADS = 8
+
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("NPROC", str(max(INTERPRET_CPU_THREADS, os.cpu_count() or 1)))

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -406,6 +408,33 @@ def test_unsupported_inputs_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         jax.eval_shape(functools.partial(pp.decode, impl="mosaic", interpret=True),
                        *_abstract(**kwargs))
+
+
+@on_every_jax
+def test_interpret_mode_warns_where_the_cpu_pools_cannot_hold_every_warpgroup(monkeypatch):
+    four_warpgroups = MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=3, num_consumers=3)
+    monkeypatch.setenv("NPROC", "2")
+    with pytest.warns(RuntimeWarning, match="4 warpgroups .* 2 threads .* NPROC=8"):
+        mosaic_gpu.warn_if_interpret_may_stall(True, four_warpgroups)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mosaic_gpu.warn_if_interpret_may_stall(False, four_warpgroups)  # compiled: no host threads
+        mosaic_gpu.warn_if_interpret_may_stall(True, ONE_SPLIT)         # 2 warpgroups, 2 threads
+        monkeypatch.setenv("NPROC", "8")
+        mosaic_gpu.warn_if_interpret_may_stall(True, four_warpgroups)
+
+
+@on_every_jax
+@pytest.mark.skipif(not NO_GPU or not os.path.isdir("/proc/self/task"),
+                    reason="counts the XLA CPU client's threads: Linux, JAX on the CPU")
+def test_the_xla_cpu_pools_hold_every_warpgroup_of_the_interpreted_kernel():
+    """conftest imports parity before JAX starts, and parity sets NPROC: the pools this process
+    really got hold the five warpgroups of four consumers, so interpret mode cannot stall."""
+    jnp.zeros(1).block_until_ready()
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    most_warpgroups = 1 + configs.MAX_MOSAIC_CONSUMERS
+    assert names.count("tf_XLAEigen") >= most_warpgroups, sorted(set(names))
+    assert mosaic_gpu.xla_cpu_threads() >= most_warpgroups
 
 
 def test_config_type_and_fields_are_checked():

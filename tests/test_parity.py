@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import pallas_paged
+import parity
 from pallas_paged.cache_write import api as write_api
 from pallas_paged.decode_attention import api as decode_api
 import torch_ref
@@ -527,18 +528,35 @@ def test_parity_leaves_torch_precision_flags_as_it_found_them():
         torch.backends.cudnn.allow_tf32 = before["cudnn_allow_tf32"]
 
 
-def test_xla_preallocation_is_switched_off_in_one_place():
-    """Only parity/__init__.py sets XLA_PYTHON_CLIENT_PREALLOCATE; the tests, the CLI and the
-    notebook import parity before JAX instead."""
+@pytest.mark.parametrize("variable", ["XLA_PYTHON_CLIENT_PREALLOCATE", "NPROC"])
+def test_jax_start_up_settings_live_in_one_place(variable):
+    """Only parity/__init__.py sets XLA_PYTHON_CLIENT_PREALLOCATE and NPROC; the tests, the CLI
+    and the notebook import parity before JAX instead."""
     setters = []
     for folder in ("parity", "pallas_paged", "torch_ref", "tests", "benchmarks", "notebooks"):
         for path in sorted((ROOT / folder).rglob("*")):
             if path.suffix in (".py", ".ipynb") and path.name != "test_parity.py":
-                if re.search(r"(environ|putenv)[^\n]*XLA_PYTHON_CLIENT_PREALLOCATE",
+                if re.search(rf"(setdefault|putenv)\([^\n]*{variable}|\[[\"']{variable}[\"']\]\s*=[^=]",
                              path.read_text()):
                     setters.append(str(path.relative_to(ROOT)))
     assert setters == ["parity/__init__.py"]
-    assert "XLA_PYTHON_CLIENT_PREALLOCATE" in os.environ  # conftest imported parity
+    assert variable in os.environ  # conftest imported parity
+
+
+@pytest.mark.parametrize("given,expected", [(None, f">={parity.INTERPRET_CPU_THREADS}"),
+                                            ("3", "3"), ("24", "24")])
+def test_importing_parity_sizes_the_xla_cpu_pools_unless_told(given, expected):
+    env = {k: v for k, v in os.environ.items() if k != "NPROC"}
+    if given is not None:
+        env["NPROC"] = given
+    proc = subprocess.run([sys.executable, "-c", "import os, parity; print(os.environ['NPROC'])"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    nproc = int(proc.stdout)
+    if expected.startswith(">="):
+        assert nproc >= int(expected[2:]) and nproc >= (os.cpu_count() or 1)
+    else:
+        assert nproc == int(expected)
 
 
 def test_an_implementation_that_raises_is_a_failure_not_a_crash(monkeypatch):

@@ -83,13 +83,14 @@ Supported (anything else is a ValueError naming the argument):
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_paged._platform import sm_count
+from pallas_paged._platform import sm_count, xla_cpu_threads
 from pallas_paged.decode_attention.configs import MosaicDecodeConfig
 from pallas_paged.cache_write.fp8 import kernel_scale_operands
 from pallas_paged.decode_attention.pallas_triton import (FP16_SAFE_MAX, _merge_splits, divides,
@@ -517,6 +518,22 @@ def check_device(interpret: bool) -> None:
         raise ValueError(
             f"impl='mosaic' needs compute capability >= 9.0 (Hopper: TMA, wgmma), found"
             f" {device.device_kind!r} with compute capability {capability}: use impl='pallas'")
+
+
+def warn_if_interpret_may_stall(interpret: bool, config: MosaicDecodeConfig) -> None:
+    """A ``RuntimeWarning`` where interpret mode can wait forever: it runs each warpgroup of a CTA
+    as a JAX computation of its own, whose barrier waits block inside host callbacks that XLA may
+    run on its CPU thread pools; with more warpgroups than pool threads (`xla_cpu_threads`), the
+    waiting ones can hold every thread while the one they wait for queues behind them."""
+    warpgroups = 1 + config.num_consumers
+    threads = xla_cpu_threads()
+    if interpret and warpgroups > threads:
+        warnings.warn(
+            f"impl='mosaic' in interpret mode: the kernel's {warpgroups} warpgroups wait on each"
+            f" other inside host callbacks that XLA's CPU thread pools run, and those pools have"
+            f" {threads} threads here, so the call can wait forever; set NPROC={max(8, warpgroups)}"
+            f" in the environment before JAX starts, or use fewer num_consumers",
+            RuntimeWarning, stacklevel=2)
 
 
 def check_supported(q, k_cache, config: MosaicDecodeConfig) -> None:
@@ -1366,6 +1383,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     plgpu = _plgpu()
     check_supported(q, k_cache, config)
     check_device(interpret)
+    warn_if_interpret_may_stall(interpret, config)
     batch, num_heads, head_dim = q.shape
     _, _, kvh, _ = k_cache.shape
     group = num_heads // kvh
