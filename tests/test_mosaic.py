@@ -880,9 +880,10 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
     (1, 4, "bfloat16", MosaicDecodeConfig(block_k=128, num_splits=16, queries_in_n=True), False),
     (32, 4, "bfloat16", MosaicDecodeConfig(block_k=64, num_stages=2, num_consumers=2,
                                            queries_in_n=True), False),
+    # fp8 caches: XLA normalizes the one part (the kernel that normalizes measured slower)
     (32, 4, "float8_e4m3fn", MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True,
                                                 fp8_k_in_registers=True,
-                                                fp8_v_in_producer=True), True),
+                                                fp8_v_in_producer=True), False),
     # persistent CTAs normalize wherever the staging fits (one wave by construction)
     (128, 4, "bfloat16", dataclasses.replace(PERSISTENT, num_stages=3), True),
     (128, 1, "bfloat16", dataclasses.replace(PERSISTENT, num_stages=3), False),
@@ -913,11 +914,7 @@ FP8_QN = MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True, fp8_k_i
     # queries in M: the query padded
     (4, 1, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), None, PADDED),
     (16, 2, MosaicDecodeConfig(block_k=64, num_stages=2), None, PADDED),
-    # an fp8 cache read with a bf16 query: divided into fp16's range by XLA first (a reduction),
-    # then padded (the division measured slower inside the kernel)
-    (8, 2, FP8_QN, jnp.float8_e4m3fn, FP8_QUERY),
-    (4, 1, FP8_QN, jnp.float8_e4m3fn, FP8_QUERY),
-], ids=["g8_qn", "g4_qn_rows_of_8", "g4_qn_4_heads", "g8_qm", "g4_qn_fp8", "g4_qn_4_heads_fp8"])
+], ids=["g8_qn", "g4_qn_rows_of_8", "g4_qn_4_heads", "g8_qm"])
 def test_one_part_launches_its_kernel_without_a_merge(num_heads, kvh, config, cache, expected,
                                                      monkeypatch):
     """Lowered for CUDA: with one part per (sequence, kv head) the kernel writes the normalized
@@ -937,6 +934,24 @@ def test_one_part_launches_its_kernel_without_a_merge(num_heads, kvh, config, ca
                                       return_lse=True, **scales)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert launched_ops(plain) == expected
+
+
+@pytest.mark.parametrize("num_heads,kvh", [(8, 2), (4, 1)], ids=["g4", "g4_4_heads"])
+def test_fp8_cache_one_part_is_normalized_by_xla(num_heads, kvh, monkeypatch):
+    """Lowered for CUDA: with an fp8 cache read by a bf16 query, the query is divided into fp16's
+    range by XLA first (a reduction) and padded (the division measured slower inside the kernel),
+    and XLA normalizes the kernel's one part after it (the kernel that normalizes measured 1.37x
+    slower at fp8 B=32 on an H200: `mosaic_gpu.finalizes`)."""
+    monkeypatch.setattr(mosaic_gpu, "check_device", lambda interpret: None)
+    args = _abstract(num_heads=num_heads, kvh=kvh, head_dim=128, cache_dtype=jnp.float8_e4m3fn)
+    text = jax.jit(functools.partial(pp.decode, impl="mosaic", interpret=False, config=FP8_QN,
+                                     return_lse=True, k_scale=0.5, v_scale=0.25)).trace(
+        *args).lower(lowering_platforms=("cuda",)).as_text()
+    assert mosaic_gpu.KERNEL_NAME in text and "_final" not in text
+    assert mosaic_gpu.MERGE_KERNEL_NAME not in text
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    ops = launched_ops(text)
+    assert FP8_QUERY <= ops and "transpose" in ops  # the query's division; O^T turned into rows
 
 
 @pytest.mark.parametrize("num_heads,kvh,cache,expected_merges", [

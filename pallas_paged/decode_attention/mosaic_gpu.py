@@ -188,13 +188,19 @@ def finalizes(config: MosaicDecodeConfig, *, batch: int, kvh: int, group: int, h
     - its ``group`` lse values are a multiple of 16 bytes (TMA copies them; a group of 1 or 2,
       as MHA's, is merged after the kernel);
     - the output's shared memory (`final_smem_bytes`) costs no wave: on an H200 (2026-12-03) the
-      launch saved bought 1.7% at bf16 B=32 and 1.5% at fp8 B=32, while at B=128 and B=256 it
-      took the CTAs from two per multiprocessor to one and cost 2.6% and 4.7%
-      (docs/BENCHMARKS.md). A persistent grid (`MosaicDecodeConfig.persistent`) has one wave
-      by construction: its CTAs normalize wherever the staging fits, since the producer streams
-      the next item's tiles meanwhile.
+      launch saved bought 1.7% at bf16 B=32 (and 1.5% at fp8 B=32, not found again: see the
+      last point), while at B=128 and B=256 it took the CTAs from two per multiprocessor to one
+      and cost 2.6% and 4.7% (docs/BENCHMARKS.md). A persistent grid
+      (`MosaicDecodeConfig.persistent`) has one wave by construction: its CTAs normalize
+      wherever the staging fits, since the producer streams the next item's tiles meanwhile;
+    - the cache is 16-bit: with an fp8 cache the kernel that normalizes measured 1.37x slower
+      than the one whose single part XLA normalizes (H200, 2026-12-04, fp8 B=32/ctx 4096, two
+      alternations of `benchmarks.mosaic_against`: 131.2 against 95.6 us; docs/BENCHMARKS.md,
+      "fp8: the output normalized by XLA again").
     """
     if config.num_splits * config.num_consumers != 1 or (group * 4) % 16:
+        return False
+    if jnp.dtype(cache_dtype).itemsize == 1:
         return False
     sizes = [smem_bytes(head_dim, cache_dtype, compute_dtype, config, alibi=True, group=group,
                         finalize=finalize) for finalize in (False, True)]
