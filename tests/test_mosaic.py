@@ -869,6 +869,49 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
     assert ("_persistent" in text) == ran.persistent
 
 
+@pytest.mark.parametrize("config,cache,options", [
+    (MosaicDecodeConfig(block_k=128, num_stages=2, queries_in_n=True), None, False),
+    (MosaicDecodeConfig(block_k=128, num_stages=2, queries_in_n=True), None, True),
+    (MosaicDecodeConfig(block_k=64, num_stages=3, queries_in_n=True), None, False),
+    (MosaicDecodeConfig(block_k=64, num_stages=3), None, True),
+    (MosaicDecodeConfig(block_k=64, num_stages=4, num_consumers=2, queries_in_n=True), None, False),
+    (MosaicDecodeConfig(block_k=128, num_splits=4, num_stages=2, queries_in_n=True), None, True),
+    (dataclasses.replace(PERSISTENT, block_k=128), None, True),
+    (MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True, fp8_k_in_registers=True,
+                        fp8_v_in_producer=True), jnp.float8_e4m3fn, False),
+    (MosaicDecodeConfig(block_k=64, num_stages=2, num_consumers=2), jnp.float8_e4m3fn, True),
+], ids=["bk128", "bk128_options", "bk64_st3", "qm_options", "two_consumers", "splits_options",
+        "persistent_options", "fp8_vp_kr", "fp8_qm_two_consumers"])
+def test_smem_bytes_is_the_shared_memory_the_kernel_asks_for(config, cache, options,
+                                                            monkeypatch):
+    """`mosaic_gpu.smem_bytes`, which decides how many CTAs share a multiprocessor (the
+    persistent grid, `finalizes`) and which configs fit, equals the dynamic shared memory the
+    lowered kernel asks for, byte for byte: each scoped allocation rounded up to Pallas'
+    alignment (`allocated`), the barriers and Mosaic's own scratch. (Summed unaligned, it was
+    0.9-3 KiB short.)"""
+    mgpu_core = pytest.importorskip("jax.experimental.mosaic.gpu.core")
+    if not hasattr(mgpu_core, "_smem_tree_size"):
+        pytest.skip("this jax's Mosaic GPU does not size shared memory in _smem_tree_size")
+    monkeypatch.setattr(mosaic_gpu, "check_device", lambda interpret: None)
+    asked = []
+    size = mgpu_core._smem_tree_size
+    monkeypatch.setattr(mgpu_core, "_smem_tree_size", lambda tree: asked.append(size(tree))
+                        or asked[-1])
+    args = _abstract(batch=32, num_heads=32, kvh=8, head_dim=128, cache_dtype=cache)
+    scales = dict(k_scale=0.5, v_scale=0.25) if cache is not None else {}
+    extra = (jax.ShapeDtypeStruct((32,), jnp.float32),) * 2 if options else ()
+    fn = lambda *a: pp.decode(  # noqa: E731
+        *a[:5], impl="mosaic", interpret=False, config=config, **scales,
+        **(dict(alibi_slopes=a[5], sinks=a[6]) if options else {}))
+    jax.jit(fn).trace(*args, *extra).lower(lowering_platforms=("cuda",))
+    compute = mosaic_gpu.dot_dtype(jnp.bfloat16, cache or jnp.bfloat16)
+    finalize = mosaic_gpu.finalizes(config, batch=32, kvh=8, group=4, head_dim=128,
+                                    cache_dtype=cache or jnp.bfloat16, compute_dtype=compute,
+                                    sm_count=mosaic_gpu.sm_count())
+    assert asked[0] == mosaic_gpu.smem_bytes(128, cache or jnp.bfloat16, compute, config,
+                                             alibi=options, group=4, finalize=finalize)
+
+
 @pytest.mark.parametrize("batch,group,cache,config,expected", [
     # one CTA per multiprocessor either way (B=32, 128-token tiles): normalized in the kernel
     (32, 4, "bfloat16", MosaicDecodeConfig(block_k=128, num_stages=2, queries_in_n=True), True),

@@ -121,9 +121,17 @@ REDUCTION_SCRATCH_BYTES = 2048
 # Shared memory Mosaic GPU's kernel takes beyond the scratch below (measured on the H200, jax
 # 0.11.2: a CTA of 230504 scratch bytes was 232552 bytes).
 MOSAIC_OWN_SMEM_BYTES = 2048
+# Pallas places each scoped shared-memory allocation at a multiple of this many bytes (its
+# SMEM_ALIGNMENT), so an allocation takes its size rounded up to it (`allocated`).
+SMEM_ALIGNMENT = 1024
 # Mosaic GPU's compiler parameters for the kernel: exact math (exp, division), as the parity
 # bounds were met with; `benchmarks.bench_mosaic --compiler-param` times others beside these.
 COMPILER_PARAMS = {"approx_math": False, "reduction_scratch_bytes": REDUCTION_SCRATCH_BYTES}
+
+
+def allocated(*nbytes: int) -> int:
+    """The shared memory scoped allocations of ``nbytes`` bytes each take (`SMEM_ALIGNMENT`)."""
+    return sum(-(-int(n) // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for n in nbytes)
 
 
 def v_converted_stages(num_consumers: int) -> int:
@@ -283,12 +291,14 @@ def merge_chunk(parts: int, head_dim: int, q_rows: int) -> int:
 
 
 def merge_smem_bytes(parts: int, head_dim: int, q_rows: int, out_dtype) -> int:
-    """Shared memory of one CTA of `merge_parts_mosaic`."""
+    """Shared memory of one CTA of `merge_parts_mosaic`, at most: with the sinks, and with
+    `MOSAIC_OWN_SMEM_BYTES` (lowered for 16 and for 2 parts without sinks, jax 0.12.0.1, the
+    kernel asked for 3,072 bytes less)."""
     chunk = merge_chunk(parts, head_dim, q_rows)
-    total = 2 * chunk * head_dim * q_rows * 4        # two slots of the parts' O^T
-    total += (2 * parts + 2) * q_rows * 4             # m, l; the sinks, the lse
+    total = allocated(2 * chunk * head_dim * q_rows * 4)      # two slots of the parts' O^T
+    total += allocated(*[parts * q_rows * 4] * 2, *[q_rows * 4] * 2)  # m, l; the sinks, the lse
     total += final_smem_bytes(q_rows, head_dim, out_dtype, queries_in_n=True)
-    return total + 8 * 3 + MOSAIC_OWN_SMEM_BYTES      # barriers
+    return total + 8 * 3 + MOSAIC_OWN_SMEM_BYTES              # barriers
 
 
 def merges_in_mosaic(config: MosaicDecodeConfig, *, group: int, head_dim: int, out_dtype,
@@ -455,26 +465,30 @@ def query_rows(group: int, config: MosaicDecodeConfig) -> int:
 def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeConfig,
                alibi: bool = False, group: int = MMA_ROWS, finalize: bool = False) -> int:
     """Shared memory one CTA of the kernel takes for a group of ``group`` query heads: the
-    scratch of `_paged_decode_kernel` and `MOSAIC_OWN_SMEM_BYTES`. ``alibi``: with the slopes
-    and the sinks (the worst case); ``finalize``: with the normalized output's staging
-    (`finalizes`), whose dtype has the compute dtype's size (both are 16-bit)."""
+    scratch of `_paged_decode_kernel`, each allocation rounded up to Pallas' alignment
+    (`allocated`), its barriers and `MOSAIC_OWN_SMEM_BYTES`; what the lowered kernel asks for,
+    to the byte (`tests/test_mosaic.py`). ``alibi``: with the slopes and, where the kernel
+    normalizes, the sinks (the worst case of the optional operands); ``finalize``: with the
+    normalized output's staging (`finalizes`), whose dtype has the compute dtype's size (both
+    are 16-bit)."""
     cache, compute = jnp.dtype(cache_dtype).itemsize, jnp.dtype(compute_dtype).itemsize
     tile = config.block_k * head_dim
     consumers = config.num_consumers
     rows = query_rows(group, config)
     q_slots = query_slots(config.persistent)
-    total = q_slots * rows * head_dim * compute              # q
-    total += 2 * config.num_stages * tile * cache            # the K and V ring
+    total = allocated(q_slots * rows * head_dim * compute)            # q
+    total += allocated(*[config.num_stages * tile * cache] * 2)       # the K and V ring
     convert = jnp.dtype(cache_dtype) != jnp.dtype(compute_dtype)
     v_in_producer = convert and config.fp8_v_in_producer
     v_ring = v_converted_stages(consumers)
     if convert:                                              # converted V (and K) tiles
         v_tiles = v_ring if v_in_producer else consumers
         k_tiles = 0 if config.fp8_k_in_registers else consumers
-        total += (v_tiles + k_tiles) * tile * compute
-    total += consumers * rows * config.block_k * compute     # P
-    total += consumers * rows * (head_dim + 2) * 4           # o, m, l
-    total += 2 * q_slots * per_query_slot(rows, q_slots) * 4 * alibi  # the slopes, the sinks
+        total += allocated(v_tiles * tile * compute, k_tiles * tile * compute)
+    total += allocated(consumers * rows * config.block_k * compute)   # P
+    total += allocated(consumers * rows * head_dim * 4, consumers * 2 * rows * 4)  # o; m, l
+    if alibi:                             # the slopes, and where the kernel normalizes the sinks
+        total += allocated(*[q_slots * per_query_slot(rows, q_slots) * 4] * (1 + finalize))
     if finalize:                                             # the normalized output
         total += final_smem_bytes(rows, head_dim, compute_dtype, config.queries_in_n)
     total += 8 * (q_slots * (1 + config.persistent) + 3 * config.num_stages)  # barriers
@@ -1328,11 +1342,11 @@ def final_smem_scratch(plgpu, q_rows: int, head_dim: int, out_dtype, queries_in_
 
 
 def final_smem_bytes(q_rows: int, head_dim: int, out_dtype, queries_in_n: bool) -> int:
-    """The bytes of `final_smem_scratch`'s allocations."""
+    """The shared memory of `final_smem_scratch`'s allocations (`allocated`)."""
     itemsize = jnp.dtype(out_dtype).itemsize
     k_rows = transposed_rows(q_rows)
-    return itemsize * (MMA_ROWS * head_dim
-                       + queries_in_n * (k_rows * head_dim + MMA_ROWS * k_rows))
+    transposing = (k_rows * head_dim, MMA_ROWS * k_rows) if queries_in_n else ()
+    return allocated(*(itemsize * n for n in (MMA_ROWS * head_dim, *transposing)))
 
 
 def mma_swizzle(row_bytes: int) -> int:
