@@ -24,7 +24,8 @@ also times each Mosaic config's producer alone (`decode_mosaic`'s ``producer_onl
 attention, never compared); ``--compiler-param approx_math=1`` (repeatable) also times the
 heuristic's config compiled with those Mosaic GPU compiler parameters in place of
 `mosaic_gpu.COMPILER_PARAMS`. Every variant is isolated: an error is printed in its row and the run
-goes on. ``--smoke`` runs tiny shapes in interpret mode (plumbing only).
+goes on. ``--smoke`` runs tiny shapes with minimal repetitions (plumbing only): in interpret mode
+without a GPU, compiled on one, as `benchmarks.bench --smoke` does.
 """
 
 from __future__ import annotations
@@ -248,11 +249,12 @@ def main(argv=None) -> int:
                         help="also time the heuristic's config compiled with this Mosaic GPU"
                         " compiler parameter, e.g. approx_math=1 (repeatable: all at once)")
     parser.add_argument("--json", default=None, help="write the rows here")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes, minimal repetitions (interpret mode without a GPU)")
     args = parser.parse_args(argv)
     s = Settings(interpret=not has_gpu())
     if args.smoke:
-        s = dataclasses.replace(smoke_settings(s), interpret=True)
+        s = smoke_settings(s)
     if args.shapes:
         shapes = [shape_by_name(name) for name in args.shapes.split(",")]
     else:

@@ -413,6 +413,7 @@ def test_unsupported_inputs_raise(kwargs, match):
 @on_every_jax
 def test_interpret_mode_warns_where_the_cpu_pools_cannot_hold_every_warpgroup(monkeypatch):
     four_warpgroups = MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=3, num_consumers=3)
+    monkeypatch.setattr(mosaic_gpu, "has_gpu", lambda: False)  # the pools' warning alone
     monkeypatch.setenv("NPROC", "2")
     with pytest.warns(RuntimeWarning, match="4 warpgroups .* 2 threads .* NPROC=8"):
         mosaic_gpu.warn_if_interpret_may_stall(True, four_warpgroups)
@@ -422,6 +423,21 @@ def test_interpret_mode_warns_where_the_cpu_pools_cannot_hold_every_warpgroup(mo
         mosaic_gpu.warn_if_interpret_may_stall(True, ONE_SPLIT)         # 2 warpgroups, 2 threads
         monkeypatch.setenv("NPROC", "8")
         mosaic_gpu.warn_if_interpret_may_stall(True, four_warpgroups)
+
+
+@on_every_jax
+def test_interpret_mode_warns_where_a_gpu_is_the_default_backend(monkeypatch):
+    """Interpret mode with the GPU as JAX's backend did not finish a two-sequence call in 100 s
+    on an H200: the call warns and says where to run it instead."""
+    monkeypatch.setenv("NPROC", "8")
+    monkeypatch.setattr(mosaic_gpu, "has_gpu", lambda: True)
+    with pytest.warns(RuntimeWarning, match="GPU as JAX's default backend.*JAX_PLATFORMS=cpu"):
+        mosaic_gpu.warn_if_interpret_may_stall(True, ONE_SPLIT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mosaic_gpu.warn_if_interpret_may_stall(False, ONE_SPLIT)  # compiled on the GPU
+        monkeypatch.setattr(mosaic_gpu, "has_gpu", lambda: False)
+        mosaic_gpu.warn_if_interpret_may_stall(True, ONE_SPLIT)   # interpret mode on a CPU
 
 
 @on_every_jax
@@ -1228,7 +1244,8 @@ def test_bench_mosaic_config_labels():
 
 def test_bench_mosaic_smoke(tmp_path, monkeypatch):
     """`benchmarks.bench_mosaic --smoke`: both kernels checked against impl="xla" and timed on a
-    tiny shape (interpret mode on a CPU: the numbers mean nothing, the plumbing must work)."""
+    tiny shape (interpret mode on a CPU, compiled on a GPU: the numbers mean nothing, the
+    plumbing must work)."""
     from benchmarks import bench_mosaic
     monkeypatch.setattr(bench_mosaic, "SMOKE_SHAPES", bench_mosaic.SMOKE_SHAPES[:1])
     path = tmp_path / "rows.json"

@@ -90,7 +90,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_paged._platform import sm_count, xla_cpu_threads
+from pallas_paged._platform import has_gpu, sm_count, xla_cpu_threads
 from pallas_paged.decode_attention.configs import MosaicDecodeConfig
 from pallas_paged.cache_write.fp8 import kernel_scale_operands
 from pallas_paged.decode_attention.pallas_triton import (FP16_SAFE_MAX, _merge_splits, divides,
@@ -544,7 +544,16 @@ def warn_if_interpret_may_stall(interpret: bool, config: MosaicDecodeConfig) -> 
     """A ``RuntimeWarning`` where interpret mode can wait forever: it runs each warpgroup of a CTA
     as a JAX computation of its own, whose barrier waits block inside host callbacks that XLA may
     run on its CPU thread pools; with more warpgroups than pool threads (`xla_cpu_threads`), the
-    waiting ones can hold every thread while the one they wait for queues behind them."""
+    waiting ones can hold every thread while the one they wait for queues behind them. And where
+    JAX's default backend is a GPU: there a call of two sequences did not finish in 100 s on an
+    H200 (2026-12-04; 3 s on a CPU), so interpret mode belongs on the CPU."""
+    if interpret and has_gpu():
+        warnings.warn(
+            "impl='mosaic' in interpret mode with a GPU as JAX's default backend: its warpgroups"
+            " wait on each other inside host callbacks, and on an H200 a call of two sequences"
+            " did not finish in 100 s (3 s on a CPU); run interpret mode on the CPU"
+            " (JAX_PLATFORMS=cpu), or compiled on the GPU (interpret=False)",
+            RuntimeWarning, stacklevel=2)
     warpgroups = 1 + config.num_consumers
     threads = xla_cpu_threads()
     if interpret and warpgroups > threads:
