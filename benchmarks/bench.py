@@ -1278,8 +1278,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="all",
                    help="comma list of shape names or groups (bench: the 13 benchmark shapes,"
-                        " ext: fp8 and sliding window, all: both, small); default all (small with"
-                        " --smoke); see --list")
+                        " ext: fp8, sliding window, b64_ctx8192, all: both, small); default all"
+                        " (small with --smoke); see --list")
     p.add_argument("--impls", default=None,
                    help=f"comma subset of {','.join(IMPLS)}; default all of them, or only"
                         " pallas with --tune")

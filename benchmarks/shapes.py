@@ -3,9 +3,9 @@
 - `DecodeBenchShape`: one decode problem, frozen and hashable (batch, heads, head_dim, block size,
   context, ragged or uniform lengths, cache dtype, optional sliding window).
 - `BENCH_SHAPES`: the thirteen shapes the benchmark reports (bf16, D=128, H=32, KVH=8,
-  block_size=16 unless the name says otherwise). `EXTENSION_SHAPES`: fp8 caches and a sliding
-  window with its baseline. `ALL_SHAPES` is both. `SMALL_SHAPES`: tiny versions of the features,
-  for CPU smoke runs and tests.
+  block_size=16 unless the name says otherwise). `EXTENSION_SHAPES`: fp8 caches, a sliding
+  window with its baseline, and the uniform batch of the ragged shape's class. `ALL_SHAPES` is
+  both. `SMALL_SHAPES`: tiny versions of the features, for CPU smoke runs and tests.
 - `make_decode_inputs`: the inputs of one shape (optionally several copies sharing one cache), from
   one ``np.random.default_rng(seed)``: block tables are a numpy permutation of physical blocks, q
   and the caches random normal (never zeros: zeros time differently and hide indexing bugs),
@@ -185,12 +185,15 @@ BENCH_SHAPES: tuple[DecodeBenchShape, ...] = (
 )
 
 # For the fp8-cache and sliding-window work: the window shape reads 1024 of 32768 tokens per
-# sequence, so it should cost about what its full-attention baseline b8_ctx1024 costs.
+# sequence, so it should cost about what its full-attention baseline b8_ctx1024 costs. b64_ctx8192
+# is the uniform batch of ragged_b64_ctx8192's shape class (the same key in the tuned tables, which
+# pick one config and one kernel per class): a class's entry needs both measured.
 EXTENSION_SHAPES: tuple[DecodeBenchShape, ...] = (
     _shape("fp8_b32_ctx4096", 32, 4096, dtype=FP8),
     _shape("fp8_b8_ctx16384", 8, 16384, dtype=FP8),
     _shape("swa1024_b8_ctx32768", 8, 32768, sliding_window=1024),
     _shape("b8_ctx1024", 8, 1024),
+    _shape("b64_ctx8192", 64, 8192),
 )
 
 ALL_SHAPES: tuple[DecodeBenchShape, ...] = BENCH_SHAPES + EXTENSION_SHAPES

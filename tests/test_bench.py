@@ -30,12 +30,13 @@ from benchmarks.shapes import (ALL_SHAPES, BENCH_SHAPES, EXTENSION_SHAPES, SMALL
                                  DecodeBenchShape, make_block_tables, make_decode_inputs,
                                  shape_by_name)
 
-# The benchmark's required shapes (13) and its extensions (4), by name; `test_shape_names_state_
+# The benchmark's required shapes (13) and its extensions (5), by name; `test_shape_names_state_
 # their_parameters` holds every shape to what its name says.
 REQUIRED = ("b32_ctx4096", "b64_ctx2048", "b8_ctx16384", "b128_ctx1024", "b1_ctx32768",
             "b256_ctx512", "mha_b32_ctx4096", "bs64_b32_ctx4096", "b4_ctx131072",
             "ragged_b64_ctx8192", "fp16_b32_ctx4096", "d64_b32_ctx4096", "d256_b32_ctx4096")
-EXTENSIONS = ("fp8_b32_ctx4096", "fp8_b8_ctx16384", "swa1024_b8_ctx32768", "b8_ctx1024")
+EXTENSIONS = ("fp8_b32_ctx4096", "fp8_b8_ctx16384", "swa1024_b8_ctx32768", "b8_ctx1024",
+              "b64_ctx8192")
 # What a name leaves unsaid: the model of the required shapes (32 query heads, 8 kv heads,
 # head_dim 128, block size 16, bf16, full attention, equal lengths).
 MODEL = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16",

@@ -378,12 +378,18 @@ IMPL_CHOICES = ("mosaic", "pallas")
 # Measured with `python -m benchmarks.bench` (its mosaic and pallas rows of one run, each kernel
 # with the config decode picks); the run prints these entries ("mosaic" where it was at least 2%
 # faster on every shape of the class) beside its AUTO table of classes and speed ratios.
-# Empty: on an NVIDIA H200 (2026-12-01) the Mosaic kernel beat the Triton one only at B=1/ctx 32768
-# (bf16, D=128, group 4, block_size 16: 1.05x) and was slower elsewhere; on 2026-12-03, in one
-# launch, it was level at B=32/ctx 4096 (129.84 against 129.72 us, docs/BENCHMARKS.md, "One
-# launch per call"), short of the 2% a class needs; the entries wait for a run of the benchmark
-# with both kernels side by side.
-IMPL_CHOICE: dict[str, dict[tuple, str]] = {}
+# On an NVIDIA H200, 2026-12-04, two runs (`--impls pallas,mosaic`, every shape; then the four
+# shapes of the classes closest to the margin; docs/BENCHMARKS.md, "Both kernels side by side,
+# IMPL_CHOICE"), the Triton kernel's time over the Mosaic kernel's:
+# - head_dim 64, B=32/ctx 4096: 1.06x and 1.08x;
+# - bf16 group 4, B=64, capacity 8192: the ragged batch (lengths 1..8192) 1.08x and 1.09x, the
+#   uniform one (ctx 8192) 1.005x and 1.02x: level or faster in both runs, 2% faster in one;
+# - not entered: block_size 64 (1.04x, then 1.01x); B=4/ctx 131072, B=8/ctx 16384, fp16 (1.01x);
+#   every other class measured Mosaic level or slower (B=1 0.93x, fp8 0.56-0.78x).
+IMPL_CHOICE: dict[str, dict[tuple, str]] = {"NVIDIA H200": {
+    ("bfloat16", 64, 4, 16, 32, 4096): "mosaic",
+    ("bfloat16", 128, 4, 16, 64, 8192): "mosaic",
+}}
 
 
 def lookup_impl(shape: DecodeShape, device_kind: str) -> str | None:
