@@ -394,6 +394,16 @@ def _abstract(batch=2, num_heads=8, kvh=2, head_dim=64, block_size=16, dtype=jnp
             jax.ShapeDtypeStruct((batch,), jnp.int32))
 
 
+def _kernel_finalizes(config, args) -> bool:
+    """`mosaic_gpu.finalizes` for `_abstract`'s inputs ``args`` (q, caches, tables, lengths)."""
+    q, cache = args[0], args[1]
+    return mosaic_gpu.finalizes(config, batch=q.shape[0], kvh=cache.shape[2],
+                                group=q.shape[1] // cache.shape[2], head_dim=q.shape[2],
+                                cache_dtype=cache.dtype,
+                                compute_dtype=mosaic_gpu.dot_dtype(q.dtype, cache.dtype),
+                                sm_count=mosaic_gpu.sm_count())
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(dtype=jnp.float32), r"q.dtype=.*float32.*TF32"),
     (dict(head_dim=32), r"head_dim in \(64, 128\).*q.shape=\(2, 8, 32\)"),
@@ -868,12 +878,7 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
     text = jax.jit(fn).trace(*args, *extra).lower(lowering_platforms=("cuda",)).as_text()
     ran = config or api.picked_config(args[0], args[1], args[3], impl="mosaic")
     group = num_heads // args[1].shape[2]
-    finalize = mosaic_gpu.finalizes(ran, batch=args[0].shape[0], kvh=args[1].shape[2],
-                                    group=group, head_dim=args[0].shape[2],
-                                    cache_dtype=args[1].dtype,
-                                    compute_dtype=mosaic_gpu.dot_dtype(args[0].dtype,
-                                                                       args[1].dtype),
-                                    sm_count=mosaic_gpu.sm_count())
+    finalize = _kernel_finalizes(ran, args)
     merges = mosaic_gpu.merges_in_mosaic(ran, group=group, head_dim=args[0].shape[2],
                                          out_dtype=args[0].dtype, finalize=finalize)
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1 + merges
@@ -920,12 +925,9 @@ def test_smem_bytes_is_the_shared_memory_the_kernel_asks_for(config, cache, opti
         *a[:5], impl="mosaic", interpret=False, config=config, **scales,
         **(dict(alibi_slopes=a[5], sinks=a[6]) if options else {}))
     jax.jit(fn).trace(*args, *extra).lower(lowering_platforms=("cuda",))
-    compute = mosaic_gpu.dot_dtype(jnp.bfloat16, cache or jnp.bfloat16)
-    finalize = mosaic_gpu.finalizes(config, batch=32, kvh=8, group=4, head_dim=128,
-                                    cache_dtype=cache or jnp.bfloat16, compute_dtype=compute,
-                                    sm_count=mosaic_gpu.sm_count())
-    assert asked[0] == mosaic_gpu.smem_bytes(128, cache or jnp.bfloat16, compute, config,
-                                             alibi=options, group=4, finalize=finalize)
+    compute = mosaic_gpu.dot_dtype(args[0].dtype, args[1].dtype)
+    assert asked[0] == mosaic_gpu.smem_bytes(128, args[1].dtype, compute, config, alibi=options,
+                                             group=4, finalize=_kernel_finalizes(config, args))
 
 
 @pytest.mark.parametrize("batch,group,cache,config,expected", [
