@@ -7,7 +7,7 @@ Run ``python -m benchmarks.bench [--shapes NAMES|all] [--impls ...] [--tune] [--
   table's entry, else the heuristic); with ``--tune``, a bounded sweep of `DecodeConfig` candidates.
 - ``mosaic``: ``decode(..., impl="mosaic")``, the Mosaic GPU kernel, with the config ``decode``
   would pick itself (`configs.lookup_mosaic`). Where the kernel cannot run the shape here (a CPU
-  without interpret mode, jax < 0.11.2, a GPU before sm_90, head_dim 256, fp32, ...) its row says
+  without interpret mode, jax < 0.11.2, a GPU before sm_90, head_dim 32, fp32, ...) its row says
   "not run" with the kernel's own reason (`mosaic_gpu.refusal`).
 - ``xla``: ``decode(..., impl="xla")``; skipped when its gathered fp32 K/V would exceed ~30 GB.
 - ``jax_paged_attention``: JAX's ``jax.experimental.pallas.ops.gpu.paged_attention``, its best over

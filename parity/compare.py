@@ -374,8 +374,9 @@ def case_outputs(case: Case, device: str = "cpu", *, impls: Sequence[str] = IMPL
 def mosaic_refusal(case: Case) -> str | None:
     """Why ``impl="mosaic"`` cannot run ``case`` (its ValueError), or None when it can.
 
-    The Mosaic GPU kernel is decode-only and takes bf16/fp16 queries, head_dim 64 or 128 and
-    block sizes that are multiples of 8; a sweep with ``--impl mosaic`` runs the cases it takes.
+    The Mosaic GPU kernel is decode-only and takes bf16/fp16 queries, head_dim 64, 128, 192 or
+    256 and block sizes that are multiples of 8; a sweep with ``--impl mosaic`` runs the cases it
+    takes.
     """
     import jax
     from pallas_paged._platform import device_kind, sm_count

@@ -537,7 +537,7 @@ def test_smoke_decode_rows(smoke):
     mosaic = rows["mosaic"]
     assert mosaic["status"] == "not run" and "median_us" not in mosaic
     reason = ("needs jax >= 0.11.2" if mosaic_gpu.jax_version() < mosaic_gpu.MIN_JAX
-              else "head_dim in (64, 128)")
+              else "head_dim in (64, 128, 192, 256)")
     assert reason in mosaic["reason"]
     assert mosaic["config"] == record["mosaic_config"]
     assert any("NOT RUN: impl='mosaic'" in line for line in doc["table"])
@@ -614,9 +614,9 @@ def test_impl_choice_snippet_is_python():
 
 def test_plan_names_the_mosaic_rows_and_auto():
     s = bench.build_settings(bench.parse_args(["--smoke"]))
-    shapes = [bench.shape_by_name(n) for n in ("d256_b32_ctx4096", "fp16_b32_ctx4096")]
+    shapes = [bench.shape_by_name(n) for n in (SMOKE_SHAPE, "fp16_b32_ctx4096")]
     text = bench.plan(shapes, ("pallas", "mosaic"), s, False, 132).splitlines()
-    assert "mosaic not run" in text[1] and "auto=pallas" in text[1]  # head_dim 256
+    assert "mosaic not run" in text[1] and "auto=pallas" in text[1]  # head_dim 32
     runs = bench.mosaic_plan(shapes[1], s.interpret, 132)[1] is None
     assert ("mosaic 1" if runs else "mosaic not run") in text[2]
 

@@ -253,6 +253,31 @@ def test_groups_read_in_boxes_of_8_rows(rng, cache):
     np.testing.assert_array_equal(changed[others], clean[others])
 
 
+@pytest.mark.parametrize("head_dim,cache,config", [
+    # decode's own config: 64-token tiles in 2 stages past head_dim 128 (fp8: the producer
+    # converts V; K takes the shared-memory path in interpret mode)
+    (256, "bfloat16", None), (256, "float8_e4m3fn", None),
+    # three parts, merged by the Mosaic merge kernel
+    (256, "bfloat16", MosaicDecodeConfig(block_k=64, num_splits=3, num_stages=2,
+                                         queries_in_n=True)),
+    # 128-token tiles fit at 192; the group's queries in M
+    (192, "float16", MosaicDecodeConfig(block_k=128, num_splits=2, num_stages=2,
+                                        queries_in_n=True)),
+    (192, "bfloat16", MosaicDecodeConfig(block_k=64, num_splits=2, num_stages=2)),
+], ids=["d256", "d256_fp8", "d256_three_parts", "d192_bk128", "d192_queries_in_m"])
+def test_head_dims_192_and_256(rng, head_dim, cache, config):
+    """head_dim 192 and 256, the M of ``O^T = V^T P^T`` in three and four wgmma rows of 64, with
+    every option, against the oracle and torch_ref."""
+    dtype = "float16" if cache != "bfloat16" else "bfloat16"
+    paged = make_paged(rng, lens=[150, 0, 1, 17], num_heads=8, num_kv_heads=2,
+                       head_dim=head_dim, block_size=16, dtype=cache, q_dtype=dtype)
+    options = every_option(rng, 8)
+    if cache == "float8_e4m3fn":
+        options.update(k_scale=0.5, v_scale=0.25)
+    out = assert_matches_oracle(paged, dtype, config, **options)
+    np.testing.assert_allclose(out, run_torch(paged, **options), atol=ATOL[dtype], rtol=0)
+
+
 @pytest.mark.parametrize("config", [ONE_SPLIT, in_n(ONE_SPLIT), THREE_SPLITS,
                                     in_n(THREE_SPLITS)], ids=str)
 def test_a_nan_query_propagates_as_in_torch_ref(rng, config):
@@ -406,8 +431,9 @@ def _kernel_finalizes(config, args) -> bool:
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(dtype=jnp.float32), r"q.dtype=.*float32.*TF32"),
-    (dict(head_dim=32), r"head_dim in \(64, 128\).*q.shape=\(2, 8, 32\)"),
-    (dict(head_dim=256), r"head_dim in \(64, 128\)"),
+    (dict(head_dim=32), r"head_dim in \(64, 128, 192, 256\).*q.shape=\(2, 8, 32\)"),
+    (dict(head_dim=96), r"head_dim in \(64, 128, 192, 256\).*head_dim=96"),
+    (dict(head_dim=320), r"head_dim in \(64, 128, 192, 256\).*head_dim=320"),
     (dict(block_size=12), r"block_size a multiple of 8.*block_size=12"),
     (dict(block_size=48), r"block_size a multiple of 8.*block_size=48"),
     (dict(num_heads=128, kvh=1), r"up to 64 query heads per kv head"),
@@ -418,6 +444,18 @@ def test_unsupported_inputs_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         jax.eval_shape(functools.partial(pp.decode, impl="mosaic", interpret=True),
                        *_abstract(**kwargs))
+
+
+@pytest.mark.parametrize("config", [
+    MosaicDecodeConfig(block_k=128, num_stages=2, queries_in_n=True),
+    MosaicDecodeConfig(block_k=64, num_stages=2)])  # the group's 64 query rows in M
+def test_head_dim_256_configs_past_shared_memory_raise(config):
+    """At head_dim 256 two stages of 128-token tiles (256 KiB of K and V), or the group's queries
+    in M, need more shared memory than a CTA has: a ValueError with the bytes and the way out."""
+    with pytest.raises(ValueError, match=r"needs \d+ bytes of shared memory for"
+                                         r" k_cache.shape=\(40, 16, 2, 256\).*queries_in_n=True"):
+        jax.eval_shape(functools.partial(pp.decode, impl="mosaic", interpret=True,
+                                         config=config), *_abstract(head_dim=256))
 
 
 @on_every_jax
@@ -541,12 +579,17 @@ def test_heuristic_config_fits_and_splits_small_batches():
     config = get_mosaic_heuristic_config(shape, sm_count=132)
     assert config.num_splits >= 16  # B=1: enough CTAs for 132 SMs
     for dtype in ("bfloat16", "float8_e4m3fn"):
-        for head_dim in (64, 128):
+        for head_dim in mosaic_gpu.SUPPORTED_HEAD_DIMS:
             for batch, group in ((1, 4), (32, 4), (256, 4), (32, 1), (4, 64)):
                 c = get_mosaic_heuristic_config(
                     pp.DecodeShape(batch, 8, group, head_dim, 16, 4096, dtype), sm_count=132)
                 need = mosaic_gpu.smem_bytes(head_dim, dtype, "bfloat16", c, alibi=True,
                                              group=group)
+                if head_dim == 256 and group == 64:  # past what any config fits: refused
+                    why = mosaic_gpu.refusal(*_abstract(num_heads=64, kvh=1, head_dim=256,
+                                                        cache_dtype=dtype)[:2], c, True)
+                    assert need > mosaic_gpu.MAX_SMEM_BYTES and "impl='pallas'" in why
+                    continue
                 assert need <= mosaic_gpu.MAX_SMEM_BYTES, (dtype, head_dim, batch, group, c)
 
 
@@ -674,7 +717,8 @@ def test_auto_follows_an_explicit_config():
         jax.eval_shape(functools.partial(pp.decode, config=("block_k", 64)), *_abstract())
     # A Mosaic config under "auto" is impl="mosaic", with its refusals.
     old_jax = "needs jax >= 0.11.2"
-    with pytest.raises(ValueError, match=r"head_dim in \(64, 128\)" if KERNEL_API else old_jax):
+    refusal = r"head_dim in \(64, 128, 192, 256\)" if KERNEL_API else old_jax
+    with pytest.raises(ValueError, match=refusal):
         jax.eval_shape(functools.partial(pp.decode, config=ONE_SPLIT, interpret=True),
                        *_abstract(head_dim=32))
     if jax.default_backend() != "gpu":
@@ -851,6 +895,17 @@ LOWERINGS = {
         config=dataclasses.replace(PERSISTENT, num_splits=4, fp8_k_in_registers=True)),
     "persistent_queries_in_m_mha": dict(num_heads=2, kvh=2, config=MosaicDecodeConfig(
         block_k=64, num_stages=3, persistent=True)),
+    # head_dim 256 and 192: decode's own config; fp8 with the Mosaic merge; persistent CTAs; the
+    # queries in M
+    "d256_bf16": dict(head_dim=256),
+    "d256_fp8_every_option_splits": dict(
+        head_dim=256, cache_dtype=jnp.float8_e4m3fn, scales=True, options=True,
+        config=MosaicDecodeConfig(block_k=64, num_splits=4, num_stages=2, queries_in_n=True,
+                                  fp8_k_in_registers=True, fp8_v_in_producer=True)),
+    "d256_persistent_every_option": dict(head_dim=256, options=True, config=PERSISTENT),
+    "d192_queries_in_m_fp16_every_option": dict(
+        head_dim=192, dtype=jnp.float16, options=True,
+        config=MosaicDecodeConfig(block_k=64, num_stages=2)),
 }
 
 
@@ -890,20 +945,27 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
     assert ("_persistent" in text) == ran.persistent
 
 
-@pytest.mark.parametrize("config,cache,options", [
-    (MosaicDecodeConfig(block_k=128, num_stages=2, queries_in_n=True), None, False),
-    (MosaicDecodeConfig(block_k=128, num_stages=2, queries_in_n=True), None, True),
-    (MosaicDecodeConfig(block_k=64, num_stages=3, queries_in_n=True), None, False),
-    (MosaicDecodeConfig(block_k=64, num_stages=3), None, True),
-    (MosaicDecodeConfig(block_k=64, num_stages=4, num_consumers=2, queries_in_n=True), None, False),
-    (MosaicDecodeConfig(block_k=128, num_splits=4, num_stages=2, queries_in_n=True), None, True),
-    (dataclasses.replace(PERSISTENT, block_k=128), None, True),
+@pytest.mark.parametrize("config,cache,options,head_dim", [
+    (MosaicDecodeConfig(block_k=128, num_stages=2, queries_in_n=True), None, False, 128),
+    (MosaicDecodeConfig(block_k=128, num_stages=2, queries_in_n=True), None, True, 128),
+    (MosaicDecodeConfig(block_k=64, num_stages=3, queries_in_n=True), None, False, 128),
+    (MosaicDecodeConfig(block_k=64, num_stages=3), None, True, 128),
+    (MosaicDecodeConfig(block_k=64, num_stages=4, num_consumers=2, queries_in_n=True), None, False,
+     128),
+    (MosaicDecodeConfig(block_k=128, num_splits=4, num_stages=2, queries_in_n=True), None, True,
+     128),
+    (dataclasses.replace(PERSISTENT, block_k=128), None, True, 128),
     (MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True, fp8_k_in_registers=True,
-                        fp8_v_in_producer=True), jnp.float8_e4m3fn, False),
-    (MosaicDecodeConfig(block_k=64, num_stages=2, num_consumers=2), jnp.float8_e4m3fn, True),
+                        fp8_v_in_producer=True), jnp.float8_e4m3fn, False, 128),
+    (MosaicDecodeConfig(block_k=64, num_stages=2, num_consumers=2), jnp.float8_e4m3fn, True, 128),
+    (MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), None, True, 256),
+    (MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True, fp8_k_in_registers=True,
+                        fp8_v_in_producer=True), jnp.float8_e4m3fn, True, 256),
+    (MosaicDecodeConfig(block_k=64, num_stages=2), None, True, 192),
 ], ids=["bk128", "bk128_options", "bk64_st3", "qm_options", "two_consumers", "splits_options",
-        "persistent_options", "fp8_vp_kr", "fp8_qm_two_consumers"])
-def test_smem_bytes_is_the_shared_memory_the_kernel_asks_for(config, cache, options,
+        "persistent_options", "fp8_vp_kr", "fp8_qm_two_consumers", "d256_options",
+        "d256_fp8_options", "d192_qm_options"])
+def test_smem_bytes_is_the_shared_memory_the_kernel_asks_for(config, cache, options, head_dim,
                                                             monkeypatch):
     """`mosaic_gpu.smem_bytes`, which decides how many CTAs share a multiprocessor (the
     persistent grid, `finalizes`) and which configs fit, equals the dynamic shared memory the
@@ -918,7 +980,7 @@ def test_smem_bytes_is_the_shared_memory_the_kernel_asks_for(config, cache, opti
     size = mgpu_core._smem_tree_size
     monkeypatch.setattr(mgpu_core, "_smem_tree_size", lambda tree: asked.append(size(tree))
                         or asked[-1])
-    args = _abstract(batch=32, num_heads=32, kvh=8, head_dim=128, cache_dtype=cache)
+    args = _abstract(batch=32, num_heads=32, kvh=8, head_dim=head_dim, cache_dtype=cache)
     scales = dict(k_scale=0.5, v_scale=0.25) if cache is not None else {}
     extra = (jax.ShapeDtypeStruct((32,), jnp.float32),) * 2 if options else ()
     fn = lambda *a: pp.decode(  # noqa: E731
@@ -926,8 +988,9 @@ def test_smem_bytes_is_the_shared_memory_the_kernel_asks_for(config, cache, opti
         **(dict(alibi_slopes=a[5], sinks=a[6]) if options else {}))
     jax.jit(fn).trace(*args, *extra).lower(lowering_platforms=("cuda",))
     compute = mosaic_gpu.dot_dtype(args[0].dtype, args[1].dtype)
-    assert asked[0] == mosaic_gpu.smem_bytes(128, args[1].dtype, compute, config, alibi=options,
-                                             group=4, finalize=_kernel_finalizes(config, args))
+    assert asked[0] == mosaic_gpu.smem_bytes(head_dim, args[1].dtype, compute, config,
+                                             alibi=options, group=4,
+                                             finalize=_kernel_finalizes(config, args))
 
 
 @pytest.mark.parametrize("batch,group,cache,config,expected", [

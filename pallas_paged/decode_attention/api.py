@@ -141,7 +141,8 @@ def decode(
         an explicit ``config`` picks the kernel of its type; see `auto_impl`), ``"pallas"`` (the
         Triton kernel; it cannot address fp8 caches of 2**31 to 2**32 elements: ValueError),
         ``"xla"`` (plain jnp, the readable reference) or ``"mosaic"`` (the Mosaic GPU kernel,
-        ``mosaic_gpu.py``: jax >= 0.11.2, sm_90+, bf16/fp16 queries, head_dim 64 or 128).
+        ``mosaic_gpu.py``: jax >= 0.11.2, sm_90+, bf16/fp16 queries, head_dim 64, 128, 192 or
+        256).
       interpret: Pallas interpret mode; None means exactly when there is no GPU backend.
       config: kernel knobs (`DecodeConfig` for ``"pallas"``, `MosaicDecodeConfig` for
         ``"mosaic"``, either for ``"auto"``); None takes the tuned table's entry for this shape

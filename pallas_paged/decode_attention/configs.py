@@ -333,6 +333,8 @@ def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDeco
       stages each), the outputs bit for bit the same; ``fp8_v_in_producer`` with them: B=32
       112.8 -> 105.2 us, B=8 112.4 -> 103.4 us (2 stages; 3 within 2%), the outputs within one
       ulp (the programs round an fp32 sum apart: 7 of 16384 fp16 outputs in one GPU test).
+    - head_dim 192 and 256 (not measured on a GPU): 64-token tiles in 2 stages, the tile's
+      bytes of head_dim 128's 128-token tiles; the rest as for head_dim 128.
     - ``num_splits``, rounded to a power of two, without splits shorter than 4 tiles: for 16-bit
       caches about one CTA per multiprocessor, one wave of long CTAs (B=1/ctx 32768 with 8 kv
       heads: 16 splits, 42.1 us against 48.8 with 32 and 53.5 with 64, timed in straight-line
@@ -347,9 +349,12 @@ def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDeco
     # Past two waves, for 16-bit caches and groups the kernel normalizes itself (4 or 8 query
     # heads: 8 columns of the wgmmas), persistent CTAs of 128-token tiles.
     persistent = not fp8 and not few_ctas and shape.group in (4, 8)
-    block_k = 128 if not fp8 and (few_ctas or persistent) else 64
+    # Past head_dim 128 a 64-token tile holds the bytes of a 128-token one at head_dim 128 (two
+    # stages of 128 tokens at head_dim 256 do not fit in shared memory): 64 tokens, 2 stages.
+    wide = shape.head_dim > 128
+    block_k = 128 if not fp8 and not wide and (few_ctas or persistent) else 64
     splits = max(1, min(splits, max(1, shape.capacity // (4 * block_k)), 256))
-    num_stages = 2 if fp8 or block_k == 128 else 3
+    num_stages = 2 if fp8 or wide or block_k == 128 else 3
     return MosaicDecodeConfig(block_k=block_k, num_splits=splits, num_stages=num_stages,
                               num_consumers=1, queries_in_n=True, fp8_k_in_registers=fp8,
                               fp8_v_in_producer=fp8, persistent=persistent)

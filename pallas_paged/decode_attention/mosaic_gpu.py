@@ -72,8 +72,10 @@ Supported (anything else is a ValueError naming the argument):
   ``MosaicDecodeConfig.fp8_k_in_registers`` (the heuristic's choice; compiled only), in registers
   as the ``S^T = K Q^T`` wgmma's A operand; a bf16 query divided by a power of two into fp16's
   range as in the Triton kernel, the scores multiplied back;
-- ``head_dim`` 64 or 128 (32: Mosaic's layout inference finds no layout for 64-byte rows; 256: the
-  fp32 output staging does not fit in shared memory beside two stages);
+- ``head_dim`` 64, 128, 192 or 256: a multiple of 64, wgmma's M of ``O^T = V^T P^T`` with the
+  queries in N (32: Mosaic's layout inference finds no layout for 64-byte rows); at 256, 128-token
+  tiles, the group's queries in M (``queries_in_n=False``) and groups of more than 56 query
+  heads need more shared memory than a CTA has (a ValueError says so);
 - ``block_size`` a multiple of 8 that divides ``block_k`` or is a multiple of it;
 - up to 64 query heads per kv head;
 - jax >= 0.11.2 (``plgpu.kernel``'s API), GPUs of compute capability 9.0 or later, or Mosaic GPU's
@@ -100,7 +102,7 @@ MIN_JAX = (0, 11, 2)  # plgpu.kernel with out_type / scratch_types and warpgroup
 MMA_ROWS = 64  # wgmma's M: the query rows of a group, padded with zero queries
 MMA_COLUMNS = 8  # the unit of wgmma's N: with queries_in_n, the group is padded to a multiple
 TRANSPOSE_K = 16  # wgmma's K for 16-bit operands: the rows of O^T's transposing product
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 KERNEL_NAME = "pallas_paged_decode_mosaic"
 MERGE_KERNEL_NAME = "pallas_paged_merge_mosaic"
@@ -590,7 +592,8 @@ def check_supported(q, k_cache, config: MosaicDecodeConfig) -> None:
     if need > MAX_SMEM_BYTES:
         raise ValueError(
             f"config={config} needs {need} bytes of shared memory for {k_cache.shape=}, more than"
-            f" the {MAX_SMEM_BYTES} of one CTA: fewer num_stages or a smaller block_k")
+            f" the {MAX_SMEM_BYTES} of one CTA: fewer num_stages, a smaller block_k or"
+            " queries_in_n=True where the config has them, else impl='pallas'")
     if num_heads // kvh > MMA_ROWS:
         raise ValueError(f"impl='mosaic' supports up to {MMA_ROWS} query heads per kv head, got"
                          f" {q.shape=} with {k_cache.shape=}: use impl='pallas'")
