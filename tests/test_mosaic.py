@@ -938,6 +938,9 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
                                          out_dtype=args[0].dtype, finalize=finalize)
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1 + merges
     assert (mosaic_gpu.MERGE_KERNEL_NAME in text) == merges
+    # the merge kernel a programmatic dependent launch of the decode kernel (`launches_early`)
+    assert text.count("griddepcontrol.launch_dependents") == merges
+    assert text.count("griddepcontrol.wait") == merges
     assert mosaic_gpu.KERNEL_NAME in text and "xla.gpu.triton" not in text
     assert ("_qn" in text) == ran.queries_in_n
     assert ("_kreg" in text) == (ran.fp8_k_in_registers and args[1].dtype == jnp.float8_e4m3fn)
@@ -1105,6 +1108,10 @@ def test_parts_are_merged_by_the_mosaic_merge_kernel(num_heads, kvh, cache, expe
     text = jax.jit(fn).trace(*args, sinks).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1 + expected_merges
     assert (mosaic_gpu.MERGE_KERNEL_NAME in text) == bool(expected_merges)
+    # the merge kernel launched with programmatic stream serialization, waiting for the decode
+    # grid (`launches_early`)
+    assert text.count("mosaic_gpu.uses_pdl") == expected_merges
+    assert text.count("griddepcontrol.wait") == expected_merges
     ops = launched_ops(text)
     if not expected_merges:
         assert "transpose" in ops

@@ -344,12 +344,15 @@ def _merge_parts_kernel(
     capacity: int,
     rows_of_8: bool,
     out_dtype,
+    launched_early: bool = False,
 ):
     """`_merge_splits` for one (sequence, kv head) of the decode kernel's parts, in one
     warpgroup: the parts' max, then their weighted sums of ``l`` and ``O^T`` (read in chunks of
     parts, one TMA ahead), normalized and written as the kernel writes one part
     (`write_normalized`). With ``rows_of_8`` the parts' columns are the kernel's box of 8 query
-    rows, the group at its column ``QueryBox.column``."""
+    rows, the group at its column ``QueryBox.column``. ``launched_early``: a programmatic
+    dependent launch, started while the decode kernel runs (its CTAs trigger it at their
+    start): the CTA waits for the decode grid's end, and its writes, before it reads a part."""
     b = jax.lax.axis_index("batch")
     h = jax.lax.axis_index("kv_head")
     kvh, parts, head_dim, q_rows = o_ref.shape[1:]
@@ -363,6 +366,8 @@ def _merge_parts_kernel(
         plgpu.copy_gmem_to_smem(o_ref.at[b, h, pl.ds(c * chunk, chunk)], o_smem.at[slot],
                                 o_bars.at[slot])
 
+    if launched_early:
+        plgpu.griddepcontrol_wait()
     fetch(0, 0)
     plgpu.copy_gmem_to_smem(m_ref.at[b, h], m_smem, ml_bar)
     plgpu.copy_gmem_to_smem(l_ref.at[b, h], l_smem, ml_bar)
@@ -410,6 +415,14 @@ def _merge_parts_kernel(
                      final_smem=final_smem, lse_smem=lse_smem, out_ref=out_ref, lse_ref=lse_ref)
 
 
+def launches_early(interpret: bool) -> bool:
+    """Whether the Mosaic merge kernel is a programmatic dependent launch of the decode kernel
+    before it (PTX ``griddepcontrol``, sm_90): its CTAs start while the decode kernel's last
+    CTAs run and wait for that grid's end, so that its launch latency is off the call's path.
+    Compiled only: interpret mode has no rule for ``griddepcontrol`` (jax 0.12.0.1)."""
+    return not interpret
+
+
 def merge_parts_mosaic(o, m, l, lens, sinks, v_scale, *, group: int, capacity: int,
                        rows_of_8: bool, out_dtype, interpret: bool):
     """`_merge_splits` of the decode kernel's parts as one Mosaic GPU kernel over the grid
@@ -440,7 +453,8 @@ def merge_parts_mosaic(o, m, l, lens, sinks, v_scale, *, group: int, capacity: i
         plgpu.Barrier(num_barriers=2),
     )
     body = functools.partial(_merge_parts_kernel, plgpu=plgpu, group=group, capacity=capacity,
-                             rows_of_8=rows_of_8, out_dtype=out_dtype)
+                             rows_of_8=rows_of_8, out_dtype=out_dtype,
+                             launched_early=launches_early(interpret))
     kernel_body, optional = with_optional_operands(
         lambda *refs: pl.run_scoped(lambda *scratch_refs: body(*refs, *scratch_refs), *scratch),
         4, {"sinks": sinks, "v_scale": v_scale})
@@ -725,7 +739,10 @@ def _paged_decode_kernel(
     rows_of_8: bool = False,
     programs: int | None = None,
     producer_only: bool = False,
+    launches_merge: bool = False,
 ):
+    if launches_merge:  # the merge kernel's CTAs may start now and wait for this grid's end
+        plgpu.griddepcontrol_launch_dependents()
     num_blocks, block_size, kvh, head_dim = k_ref.shape
     batch, max_blocks = tables_ref.shape
     convert = jnp.dtype(k_ref.dtype) != jnp.dtype(compute_dtype)
@@ -1477,7 +1494,8 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         fp8_v_in_producer=config.fp8_v_in_producer and compute_dtype != k_cache.dtype,
         soft_cap=logits_soft_cap, window=sliding_window,
         compute_dtype=compute_dtype, finalize=finalize, out_dtype=q.dtype, rows_of_8=rows_of_8,
-        programs=programs, producer_only=producer_only)
+        programs=programs, producer_only=producer_only,
+        launches_merge=merge_in_mosaic and launches_early(interpret))
     # fp8: the scales (python floats or traced f32[]) operands, so one program serves every scale
     k_scale_operand, v_scale_operand = kernel_scale_operands(k_scale, v_scale)
     kernel_body, optional = with_optional_operands(body, 5, {  # in the kernel's order
