@@ -333,8 +333,9 @@ def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDeco
       stages each), the outputs bit for bit the same; ``fp8_v_in_producer`` with them: B=32
       112.8 -> 105.2 us, B=8 112.4 -> 103.4 us (2 stages; 3 within 2%), the outputs within one
       ulp (the programs round an fp32 sum apart: 7 of 16384 fp16 outputs in one GPU test).
-    - head_dim 192 and 256 (not measured on a GPU): 64-token tiles in 2 stages, the tile's
-      bytes of head_dim 128's 128-token tiles; the rest as for head_dim 128.
+    - head_dim 192 and 256: 64-token tiles in 2 stages, the tile's bytes of head_dim 128's
+      128-token tiles; the rest as for head_dim 128 (H200, 2026-12-05, head_dim 256 B=32/ctx
+      4096: 263.3 and 264.3 us, 0.965 and 0.951 of copy; head_dim 192 not timed).
     - ``num_splits``, rounded to a power of two, without splits shorter than 4 tiles: for 16-bit
       caches about one CTA per multiprocessor, one wave of long CTAs (B=1/ctx 32768 with 8 kv
       heads: 16 splits, 42.1 us against 48.8 with 32 and 53.5 with 64, timed in straight-line
@@ -391,9 +392,12 @@ IMPL_CHOICES = ("mosaic", "pallas")
 #   uniform one (ctx 8192) 1.005x and 1.02x: level or faster in both runs, 2% faster in one;
 # - not entered: block_size 64 (1.04x, then 1.01x); B=4/ctx 131072, B=8/ctx 16384, fp16 (1.01x);
 #   every other class measured Mosaic level or slower (B=1 0.93x, fp8 0.56-0.78x).
+# On 2026-12-05, two runs (docs/BENCHMARKS.md, "Mosaic at head_dim 256, ..."):
+# - head_dim 256, B=32/ctx 4096: 1.027x and 1.034x.
 IMPL_CHOICE: dict[str, dict[tuple, str]] = {"NVIDIA H200": {
     ("bfloat16", 64, 4, 16, 32, 4096): "mosaic",
     ("bfloat16", 128, 4, 16, 64, 8192): "mosaic",
+    ("bfloat16", 256, 4, 16, 32, 4096): "mosaic",
 }}
 
 
