@@ -421,8 +421,10 @@ def _merge_parts_kernel(
 def launches_early(interpret: bool) -> bool:
     """Whether the Mosaic merge kernel is a programmatic dependent launch of the decode kernel
     before it (PTX ``griddepcontrol``, sm_90): its CTAs start while the decode kernel's last
-    CTAs run and wait for that grid's end, so that its launch latency is off the call's path.
-    Compiled only: interpret mode has no rule for ``griddepcontrol`` (jax 0.12.0.1)."""
+    CTAs run and wait for that grid's end, so that its launch latency is off the call's path
+    (H200, 2026-12-05: B=1/ctx 32768 0.6 us faster of 42.7, in two alternations of `bench`;
+    docs/BENCHMARKS.md). Compiled only: interpret mode has no rule for ``griddepcontrol`` (jax
+    0.12.0.1)."""
     return not interpret
 
 
