@@ -1091,3 +1091,21 @@ def test_batch_waves_smoke_checks_and_times_each_config(tmp_path):
         with pytest.raises(SystemExit) as e:
             batch_waves.main(["--smoke", bad])
         assert e.value.code == 2
+
+
+@pytest.mark.skipif(mosaic_gpu.jax_version() < mosaic_gpu.MIN_JAX,
+                    reason="plgpu.kernel needs jax >= 0.11.2")
+def test_mosaic_interpret_limits_reports_every_case(capsys):
+    """The reproducers of what Mosaic GPU's interpret mode does not run print one line per case:
+    the exception it raised, or that it ran and whether its output is right (never WRONG)."""
+    from benchmarks import mosaic_interpret_limits
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("interpret mode belongs on the CPU (docs/RELIABILITY.md)")
+    assert mosaic_interpret_limits.main([]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"jax {jax.__version__}, interpret mode")
+    assert [line.split(":")[0] for line in lines[1:]] == list(mosaic_interpret_limits.CASES)
+    for line in lines[1:]:
+        outcome = line.split(": ", 1)[1]
+        assert outcome == "runs, output right" or outcome.split(":")[0].endswith("Error"), line
