@@ -429,7 +429,7 @@ def launches_early(interpret: bool) -> bool:
 
 
 def merge_parts_mosaic(o, m, l, lens, sinks, v_scale, *, group: int, capacity: int,
-                       rows_of_8: bool, out_dtype, interpret: bool):
+                       rows_of_8: bool, out_dtype, interpret: bool, launched_early: bool):
     """`_merge_splits` of the decode kernel's parts as one Mosaic GPU kernel over the grid
     ``(batch, num_kv_heads)`` (`_merge_parts_kernel`), where `merges_in_mosaic`.
 
@@ -440,6 +440,7 @@ def merge_parts_mosaic(o, m, l, lens, sinks, v_scale, *, group: int, capacity: i
       sinks: f32[kvh, R] (zeros past the group) or None; with ``rows_of_8`` f32[num_heads].
       v_scale: f32[1] or None.
       rows_of_8: the kernel read the query in boxes of 8 rows (`reads_rows_of_8`).
+      launched_early: the decode kernel before it triggers its launch (`launches_early`).
 
     Returns:
       ``(out [batch, kvh, group, head_dim] in out_dtype, lse f32[batch, kvh, group])``.
@@ -459,7 +460,7 @@ def merge_parts_mosaic(o, m, l, lens, sinks, v_scale, *, group: int, capacity: i
     )
     body = functools.partial(_merge_parts_kernel, plgpu=plgpu, group=group, capacity=capacity,
                              rows_of_8=rows_of_8, out_dtype=out_dtype,
-                             launched_early=launches_early(interpret))
+                             launched_early=launched_early)
     kernel_body, optional = with_optional_operands(
         lambda *refs: pl.run_scoped(lambda *scratch_refs: body(*refs, *scratch_refs), *scratch),
         4, {"sinks": sinks, "v_scale": v_scale})
@@ -1456,6 +1457,8 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     converts_query = k_scale is not None and compute_dtype != q.dtype
     merge_in_mosaic = not producer_only and merges_in_mosaic(
         config, group=group, head_dim=head_dim, out_dtype=q.dtype, finalize=finalize)
+    # one decision for both kernels: the decode kernel triggers what the merge kernel waits for
+    merge_launched_early = merge_in_mosaic and launches_early(interpret)
     rows_of_8 = reads_rows_of_8(config, num_heads=num_heads, group=group,
                                 normalized_in_mosaic=finalize or merge_in_mosaic,
                                 converts_query=converts_query)
@@ -1500,7 +1503,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         soft_cap=logits_soft_cap, window=sliding_window,
         compute_dtype=compute_dtype, finalize=finalize, out_dtype=q.dtype, rows_of_8=rows_of_8,
         programs=programs, producer_only=producer_only,
-        launches_merge=merge_in_mosaic and launches_early(interpret))
+        launches_merge=merge_launched_early)
     # fp8: the scales (python floats or traced f32[]) operands, so one program serves every scale
     k_scale_operand, v_scale_operand = kernel_scale_operands(k_scale, v_scale)
     kernel_body, optional = with_optional_operands(body, 5, {  # in the kernel's order
@@ -1547,7 +1550,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         return merge_parts_mosaic(
             o, m, l, lens, per_query_operand(sinks), v_scale_operand, group=group,
             capacity=tables.shape[1] * k_cache.shape[1], rows_of_8=rows_of_8, out_dtype=q.dtype,
-            interpret=interpret)
+            interpret=interpret, launched_early=merge_launched_early)
     if config.queries_in_n:
         o = jnp.swapaxes(o, -1, -2)[..., :group, :]
     return o, m[..., :group], l[..., :group]
