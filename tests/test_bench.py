@@ -432,9 +432,9 @@ def test_read_only_probe_reads_exactly_the_decode_tiles(rng):
     tables_np, lens_np = np.asarray(tables), np.asarray(lens)
     for b, n in enumerate(lens_np):
         tiles = -(-int(n) // 16)
-        per_split = -(-tiles // 2)
-        for split in range(2):
-            positions = np.arange(split * per_split * 16, min((split + 1) * per_split * 16, n))
+        for split in range(2):  # `split_share`'s balanced shares
+            lo, hi = tiles * split // 2, tiles * (split + 1) // 2
+            positions = np.arange(lo * 16, min(hi * 16, n))
             slots = tables_np[b, positions // 8] * 8 + positions % 8
             for h in range(2):
                 want = (k_words[slots, h].sum() + v_words[slots, h].sum()) % 2**32

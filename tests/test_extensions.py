@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pallas_paged as pp
-from pallas_paged.decode_attention.pallas_triton import tile_range
+from pallas_paged.decode_attention.pallas_triton import split_share, tile_range
 from paged_inputs import make_paged
 from test_decode import IMPLS, assert_matches_torch, run_jax
 
@@ -73,6 +73,21 @@ def test_kernel_visits_only_tiles_inside_the_window(block_k, num_splits, window)
         assert sorted(visited) == sorted(wanted), (n, first)  # each wanted tile exactly once
         for tile in visited:  # no tile lies wholly outside [first, n)
             assert tile * block_k < n and (tile + 1) * block_k > first
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7, 16, 33])
+def test_split_shares_are_balanced(num_splits):
+    """`split_share`: contiguous shares covering each tile once, whose lengths differ by at most
+    one tile, so no split is idle while another walks more than ``ceil(count / num_splits)``."""
+    for tile_lo, count in [(0, 0), (5, 1), (0, 7), (3, 32), (0, 512), (11, 255)]:
+        shares = [tuple(int(x) for x in split_share(jnp.int32(tile_lo), jnp.int32(tile_lo + count),
+                                                    jnp.int32(split), num_splits))
+                  for split in range(num_splits)]
+        assert shares[0][0] == tile_lo and shares[-1][1] == tile_lo + count, shares
+        assert all(a[1] == b[0] for a, b in zip(shares, shares[1:])), shares
+        lengths = [hi - lo for lo, hi in shares]
+        assert min(lengths) >= 0 and max(lengths) - min(lengths) <= 1, (count, lengths)
+        assert max(lengths) == -(-count // num_splits), (count, lengths)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

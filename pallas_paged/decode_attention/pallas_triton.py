@@ -267,14 +267,32 @@ def kv_ring_depth(num_stages: int) -> int:
     return max(1, (num_stages - 1) // 2)
 
 
+def split_share(tile_lo, tile_hi, split, num_splits: int):
+    """Split ``split``'s contiguous share of the tiles ``[tile_lo, tile_hi)``, of ``num_splits``.
+
+    Balanced: the shares' lengths differ by at most one tile (``count * split // num_splits``
+    boundaries), so a split count that does not divide the tiles leaves no split idle while
+    others walk a full share (with ``ceil(count / num_splits)`` tiles per share, 512 tiles over 33
+    splits left the 33rd empty); the longest share is ``ceil(count / num_splits)`` tiles either
+    way. Every share is empty when ``count`` is 0 and some are when ``count < num_splits``.
+
+    Returns:
+      ``(lo, hi)`` int32 scalars with ``tile_lo <= lo <= hi <= tile_hi``.
+    """
+    count = jnp.maximum(tile_hi - tile_lo, 0)
+    lo = tile_lo + (count * split) // num_splits
+    hi = tile_lo + (count * (split + 1)) // num_splits
+    return lo, hi
+
+
 def tile_range(n, split, *, block_k: int, num_splits: int, window: int | None):
     """The tiles one program walks: ``[tile_lo, tile_hi)`` of ``block_k`` tokens each.
 
     A sequence of ``n`` tokens has tiles ``first // block_k .. ceil(n / block_k) - 1``, where
     ``first = max(n - window, 0)`` is the oldest position inside the sliding window (0 without
     one): tiles wholly outside the window, and tiles past ``n``, are never visited, so their pages
-    are never read. Split ``split`` of ``num_splits`` takes an equal contiguous share; a share may
-    be empty (``tile_lo >= tile_hi``).
+    are never read. Split ``split`` of ``num_splits`` takes its balanced contiguous share
+    (`split_share`); a share may be empty (``tile_lo >= tile_hi``).
 
     Returns:
       ``(first, tile_lo, tile_hi)`` as int32 scalars.
@@ -282,9 +300,7 @@ def tile_range(n, split, *, block_k: int, num_splits: int, window: int | None):
     first = jnp.int32(0) if window is None else jnp.maximum(n - window, 0)
     tile_lo, tile_hi = first // block_k, (n + block_k - 1) // block_k
     if num_splits > 1:
-        per_split = (tile_hi - tile_lo + num_splits - 1) // num_splits
-        tile_lo = tile_lo + split * per_split
-        tile_hi = jnp.minimum(tile_lo + per_split, tile_hi)
+        tile_lo, tile_hi = split_share(tile_lo, tile_hi, split, num_splits)
     return first, tile_lo, tile_hi
 
 

@@ -53,7 +53,7 @@ from pallas_paged.decode_attention.pallas_triton import (_dot_nn, _dot_nt, colum
                                                          divides, dot_dtype, load_kv_parts,
                                                          merge_splits_pallas, query_for_dots,
                                                          slot_major, softmax_exp,
-                                                         uses_fp8_pairs, with_sink)
+                                                         split_share, uses_fp8_pairs, with_sink)
 from pallas_paged.ragged_attention.configs import AttentionConfig, tile_dot_rows
 
 
@@ -101,9 +101,9 @@ def kv_tile_plan(first_pos, tile_queries, n, split, *, block_k: int, num_splits:
     query sees ``[shared_lo, shared_hi)``: from the window start of the last query to the first
     query's position. Tiles of ``block_k`` positions wholly inside the shared range need no mask.
     The tiles ``key_lo // block_k .. ceil(key_hi / block_k) - 1`` are split into ``num_splits``
-    equal contiguous shares; this program (split ``split``) walks its share, in three ranges:
-    masked tiles before the shared ones (a window's edge), unmasked shared tiles, masked tiles
-    after them (the diagonal). Nothing past ``key_hi`` and no tile wholly before ``key_lo`` is
+    balanced contiguous shares (`split_share`); this program (split ``split``) walks its share,
+    in three ranges: masked tiles before the shared ones (a window's edge), unmasked shared
+    tiles, masked tiles after them (the diagonal). Nothing past ``key_hi`` and no tile wholly before ``key_lo`` is
     visited. A program with no queries (``tile_queries == 0``) visits nothing.
 
     Returns:
@@ -122,9 +122,7 @@ def kv_tile_plan(first_pos, tile_queries, n, split, *, block_k: int, num_splits:
     full_hi = jnp.clip(shared_hi // block_k, full_lo, tile_hi)
     lo, hi = tile_lo, tile_hi
     if num_splits > 1:
-        per_split = (tile_hi - tile_lo + num_splits - 1) // num_splits
-        lo = tile_lo + split * per_split
-        hi = jnp.maximum(jnp.minimum(lo + per_split, tile_hi), lo)
+        lo, hi = split_share(tile_lo, tile_hi, split, num_splits)
     edge = (lo, jnp.maximum(jnp.minimum(hi, full_lo), lo))
     full_start = jnp.maximum(lo, full_lo)
     full = (full_start, jnp.maximum(jnp.minimum(hi, full_hi), full_start))
