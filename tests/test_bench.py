@@ -1109,3 +1109,62 @@ def test_mosaic_interpret_limits_reports_every_case(capsys):
     for line in lines[1:]:
         outcome = line.split(": ", 1)[1]
         assert outcome == "runs, output right" or outcome.split(":")[0].endswith("Error"), line
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks.bars: the bars judged over several bench processes
+
+
+def _bars_doc(fractions: dict, copy_tbps: float = 4.2) -> dict:
+    """A bench JSON with one pallas row per shape (None: the row is WRONG)."""
+    shapes = []
+    for name, frac in fractions.items():
+        row = {"impl": "pallas", "status": "ok", "correct": frac is not None,
+               "frac_copy_bw": 0.5 if frac is None else frac}
+        shapes.append({"name": name, "results": [{"impl": "xla", "status": "ok", "correct": True,
+                                                  "frac_copy_bw": 0.1}, row]})
+    return {"copy_bandwidth": {"tbps": copy_tbps}, "shapes": shapes}
+
+
+def test_bars_judges_by_the_median_and_the_minimum_of_the_runs():
+    from benchmarks import bars
+    docs = [_bars_doc({"b1_ctx32768": 0.81, "b32_ctx4096": 0.96, "fp8_b8_ctx16384": None}),
+            _bars_doc({"b1_ctx32768": 0.79, "b32_ctx4096": 0.98, "fp8_b8_ctx16384": 0.86}),
+            _bars_doc({"b1_ctx32768": 0.82, "b32_ctx4096": 0.965}),
+            {}]  # a run whose process wrote nothing
+    rows = {r["shape"]: r for r in bars.judge(docs, ["b1_ctx32768", "b32_ctx4096",
+                                                     "fp8_b8_ctx16384", "b256_ctx512",
+                                                     "small_b2_ctx64"])}
+    assert rows["b1_ctx32768"]["runs"] == [0.81, 0.79, 0.82, None]
+    assert rows["b1_ctx32768"]["median"] == 0.81 and rows["b1_ctx32768"]["min"] == 0.79
+    assert rows["b1_ctx32768"]["verdict"] == "met (median)"      # 0.80: one run under it
+    assert rows["b32_ctx4096"]["verdict"] == "missed (median)"   # 0.97: median 0.965
+    assert rows["fp8_b8_ctx16384"]["runs"] == [None, 0.86, None, None]  # a WRONG row never counts
+    assert rows["fp8_b8_ctx16384"]["verdict"] == "met in every run"
+    assert rows["b256_ctx512"]["verdict"] == "not measured"
+    assert rows["small_b2_ctx64"]["verdict"] == "no bar"
+    table = bars.format_table(list(rows.values()), bars.copy_rates(docs))
+    assert "| `b1_ctx32768` | 0.810 | 0.790 | 0.820 | - | 0.810 | 0.790-0.820 | 0.800 |" in table
+
+
+def test_bars_runs_bench_processes_in_alternating_order(tmp_path, monkeypatch):
+    """Two real ``bench --smoke`` processes (the second in reverse shape order), then the verdict
+    from their JSONs; ``--from`` judges the same directory again without running anything."""
+    from benchmarks import bars
+    monkeypatch.setitem(bars.BARS, "small_b2_ctx64", (0.0, "test"))
+    monkeypatch.setitem(bars.BARS, "small_mha_b2_ctx64", (1e9, "test"))
+    out = tmp_path / "bars"
+    shapes = "small_b2_ctx64,small_mha_b2_ctx64"
+    assert bars.main(["--runs", "2", "--out", str(out), "--shapes", shapes,
+                      "--bench-args=--smoke"]) == 0
+    docs = bars.load_runs(str(out))
+    assert [d["meta"]["argv"][d["meta"]["argv"].index("--shapes") + 1] for d in docs] == [
+        shapes, "small_mha_b2_ctx64,small_b2_ctx64"]
+    with open(out / "bars.json") as f:
+        rows = {r["shape"]: r for r in json.load(f)["rows"]}
+    assert rows["small_b2_ctx64"]["verdict"] == "met in every run"
+    assert rows["small_mha_b2_ctx64"]["verdict"] == "missed (median)"
+    assert all(f is not None and f > 0 for r in rows.values() for f in r["runs"])
+    (out / "bars.json").unlink()
+    assert bars.main(["--from", str(out), "--shapes", shapes]) == 0
+    assert (out / "bars.json").exists()

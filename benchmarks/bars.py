@@ -1,0 +1,192 @@
+"""The decode bars of issue "Decode at the limit", judged over several `benchmarks.bench` processes.
+
+One run of ``bench`` meets or misses a bar that sits inside the spread of runs: the same config
+on the same H200 measured 2-4% apart from one process to the next (docs/BENCHMARKS.md), while
+the windows inside one process agree to about 1%. This script runs ``bench --impls pallas`` on
+the bars' shapes in ``--runs`` separate processes (every other one in reverse shape order, so
+that no shape always runs first or last), samples the GPU's clocks, power and temperatures
+beside them (``nvidia-smi``, when present), and prints per shape every run's fraction of its
+own run's copy bandwidth, their median and range, and the verdict: a bar is **met** when the
+median of the runs meets it, **met in every run** when their minimum does.
+
+    PYTHONPATH=. python3 -m benchmarks.bars --runs 3 --out DIR      # GPU: run, then judge
+    python3 -m benchmarks.bars --from DIR                           # judge the JSONs of DIR again
+
+``DIR`` gets ``bench_<i>.json`` / ``bench_<i>.txt`` per process, ``smi.csv`` and ``bars.json``
+(the summary). ``--bench-args`` passes extra arguments to every ``bench`` process (e.g.
+``--smoke`` to check the plumbing on a CPU, whose shapes have no bar).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+
+# shape name -> (the bar: the Triton kernel's decode bytes over the run's copy bandwidth, what
+# it comes from). fp8 shapes count fp8 bytes (`benchmarks.bench`'s bytes are the cache dtype's).
+BARS: dict[str, tuple[float, str]] = {
+    "b1_ctx32768": (0.80, "above FlashInfer's 0.74"),
+    "b32_ctx4096": (0.97, "FlashInfer"),
+    "b128_ctx1024": (0.90, "FlashInfer"),
+    "b256_ctx512": (0.88, "FlashInfer"),
+    "mha_b32_ctx4096": (1.03, "FlashInfer"),
+    "fp8_b32_ctx4096": (0.85, "fp8 bytes"),
+    "fp8_b8_ctx16384": (0.85, "fp8 bytes"),
+}
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SMI_FIELDS = ("timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,temperature.memory,"
+              "clocks_event_reasons.active")
+
+
+def run_order(shapes: list[str], run: int) -> list[str]:
+    """Run ``run``'s shape order (0-based): the list, reversed in every odd run."""
+    return list(reversed(shapes)) if run % 2 else list(shapes)
+
+
+def bench_command(shapes: list[str], json_path: str, extra: list[str]) -> list[str]:
+    """The ``bench`` process of one run."""
+    return [sys.executable, "-m", "benchmarks.bench", "--impls", "pallas", "--shapes",
+            ",".join(shapes), "--json", json_path, *extra]
+
+
+def pallas_fraction(doc: dict, shape: str) -> float | None:
+    """The ``impl="pallas"`` row's fraction of copy bandwidth for ``shape`` in one ``bench`` JSON,
+    or None where the shape is absent, errored, or its output was WRONG."""
+    for record in doc.get("shapes", []):
+        if record.get("name") != shape:
+            continue
+        for row in record.get("results", []):
+            if (row.get("impl") == "pallas" and row.get("status") == "ok"
+                    and row.get("correct", True) and "frac_copy_bw" in row):
+                return float(row["frac_copy_bw"])
+    return None
+
+
+def judge(docs: list[dict], shapes: list[str]) -> list[dict]:
+    """Per shape: every run's fraction (None where the run has none), their median, min and max
+    over the runs that have one, the bar and the verdicts."""
+    rows = []
+    for shape in shapes:
+        runs = [pallas_fraction(doc, shape) for doc in docs]
+        have = [f for f in runs if f is not None]
+        bar, source = BARS.get(shape, (None, ""))
+        row = {"shape": shape, "runs": runs, "bar": bar, "bar_source": source,
+               "median": statistics.median(have) if have else None,
+               "min": min(have) if have else None, "max": max(have) if have else None}
+        if bar is None or not have:
+            row["verdict"] = "no bar" if bar is None else "not measured"
+        elif row["min"] >= bar:
+            row["verdict"] = "met in every run"
+        elif row["median"] >= bar:
+            row["verdict"] = "met (median)"
+        else:
+            row["verdict"] = "missed (median)"
+        rows.append(row)
+    return rows
+
+
+def copy_rates(docs: list[dict]) -> list[float | None]:
+    """Each run's copy bandwidth (TB/s), the ceiling of its fractions."""
+    return [doc.get("copy_bandwidth", {}).get("tbps") for doc in docs]
+
+
+def format_table(rows: list[dict], copies: list) -> str:
+    def f(x):
+        return "-" if x is None else f"{x:.3f}"
+    n = max((len(r["runs"]) for r in rows), default=0)
+    head = ("| shape | " + " | ".join(f"run {i + 1}" for i in range(n))
+            + " | median | range | bar | verdict |")
+    lines = [head, "|---|" + "---:|" * (n + 3) + "---|"]
+    lines.append("| copy TB/s | " + " | ".join(f(c) for c in copies) + " | | | | |")
+    for r in rows:
+        spread = "-" if r["min"] is None else f"{r['min']:.3f}-{r['max']:.3f}"
+        lines.append(f"| `{r['shape']}` | " + " | ".join(f(x) for x in r["runs"])
+                     + f" | {f(r['median'])} | {spread} | {f(r['bar'])} | {r['verdict']} |")
+    return "\n".join(lines)
+
+
+def load_runs(directory: str) -> list[dict]:
+    """The ``bench_<i>.json`` documents of ``directory``, in run order (a run whose process
+    wrote no JSON counts as an empty document)."""
+    names = sorted((n for n in os.listdir(directory)
+                    if n.startswith("bench_") and n.endswith(".json")),
+                   key=lambda n: int(n[len("bench_"):-len(".json")]))
+    docs = []
+    for name in names:
+        try:
+            with open(os.path.join(directory, name)) as fh:
+                docs.append(json.load(fh))
+        except (OSError, json.JSONDecodeError):
+            docs.append({})
+    return docs
+
+
+def run(out: str, runs: int, shapes: list[str], extra: list[str], timeout_s: float) -> None:
+    """``runs`` ``bench`` processes one after another, ``nvidia-smi`` sampling beside them."""
+    os.makedirs(out, exist_ok=True)
+    smi = None
+    if shutil.which("nvidia-smi"):
+        smi_log = open(os.path.join(out, "smi.csv"), "w")
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv",
+                                "-lms", "250"], stdout=smi_log, stderr=subprocess.STDOUT)
+    try:
+        for i in range(runs):
+            json_path = os.path.abspath(os.path.join(out, f"bench_{i + 1}.json"))
+            if os.path.exists(json_path):
+                os.remove(json_path)
+            cmd = bench_command(run_order(shapes, i), json_path, extra)
+            print(f"run {i + 1}/{runs}: {shlex.join(cmd[1:])}", flush=True)
+            with open(os.path.join(out, f"bench_{i + 1}.txt"), "w") as log:
+                try:
+                    rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                        timeout=timeout_s, cwd=REPO_ROOT).returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
+            print(f"run {i + 1}/{runs}: exit {rc}", flush=True)
+    finally:
+        if smi is not None:
+            smi.terminate()
+            smi.wait()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--runs", type=int, default=3, help="bench processes (3)")
+    p.add_argument("--out", default=None, help="directory of the runs' logs and JSONs")
+    p.add_argument("--from", dest="from_dir", default=None,
+                   help="judge the bench_<i>.json of this directory; run nothing")
+    p.add_argument("--shapes", default=",".join(BARS), help="comma-separated (the bars' shapes)")
+    p.add_argument("--bench-args", default="", help="extra arguments of every bench process")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per bench process")
+    args = p.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    if args.runs < 1:
+        p.error(f"--runs {args.runs} must be >= 1")
+    if args.from_dir is None and args.out is None:
+        p.error("give --out DIR (run, then judge) or --from DIR (judge only)")
+    directory = args.from_dir or args.out
+    if args.from_dir is None:
+        run(args.out, args.runs, shapes, shlex.split(args.bench_args), args.timeout)
+    docs = load_runs(directory)
+    if not docs:
+        print(f"no bench_<i>.json in {directory}", file=sys.stderr)
+        return 1
+    rows = judge(docs, shapes)
+    table = format_table(rows, copy_rates(docs))
+    print(table)
+    with open(os.path.join(directory, "bars.json"), "w") as fh:
+        json.dump({"rows": rows, "copy_tbps": copy_rates(docs), "table": table.splitlines()},
+                  fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
