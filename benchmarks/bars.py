@@ -28,6 +28,8 @@ import statistics
 import subprocess
 import sys
 
+from benchmarks.bench import float_at_least, int_at_least
+
 # shape name -> (the bar: the Triton kernel's decode bytes over the run's copy bandwidth, what
 # it comes from). fp8 shapes count fp8 bytes (`benchmarks.bench`'s bytes are the cache dtype's).
 BARS: dict[str, tuple[float, str]] = {
@@ -132,7 +134,7 @@ def load_runs(directory: str) -> list[dict]:
 def run(out: str, runs: int, shapes: list[str], extra: list[str], timeout_s: float) -> None:
     """``runs`` ``bench`` processes one after another, ``nvidia-smi`` sampling beside them."""
     os.makedirs(out, exist_ok=True)
-    smi = None
+    smi = smi_log = None
     if shutil.which("nvidia-smi"):
         smi_log = open(os.path.join(out, "smi.csv"), "w")
         smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv",
@@ -155,21 +157,21 @@ def run(out: str, runs: int, shapes: list[str], extra: list[str], timeout_s: flo
         if smi is not None:
             smi.terminate()
             smi.wait()
+            smi_log.close()
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--runs", type=int, default=3, help="bench processes (3)")
+    p.add_argument("--runs", type=int_at_least(1), default=3, help="bench processes (3)")
     p.add_argument("--out", default=None, help="directory of the runs' logs and JSONs")
     p.add_argument("--from", dest="from_dir", default=None,
                    help="judge the bench_<i>.json of this directory; run nothing")
     p.add_argument("--shapes", default=",".join(BARS), help="comma-separated (the bars' shapes)")
     p.add_argument("--bench-args", default="", help="extra arguments of every bench process")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per bench process")
+    p.add_argument("--timeout", type=float_at_least(0.0, strict=True), default=300.0,
+                   help="seconds per bench process")
     args = p.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
-    if args.runs < 1:
-        p.error(f"--runs {args.runs} must be >= 1")
     if args.from_dir is None and args.out is None:
         p.error("give --out DIR (run, then judge) or --from DIR (judge only)")
     directory = args.from_dir or args.out

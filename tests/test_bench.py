@@ -1168,3 +1168,14 @@ def test_bars_runs_bench_processes_in_alternating_order(tmp_path, monkeypatch):
     (out / "bars.json").unlink()
     assert bars.main(["--from", str(out), "--shapes", shapes]) == 0
     assert (out / "bars.json").exists()
+
+
+@pytest.mark.parametrize("argv", [["--runs", "0", "--out", "x"], ["--timeout", "0", "--out", "x"],
+                                  ["--runs", "2"]])
+def test_bars_usage_errors(argv, capsys):
+    """No runs, no time per run, or neither ``--out`` nor ``--from``: a usage error (exit 2)."""
+    from benchmarks import bars
+    with pytest.raises(SystemExit) as e:
+        bars.main(argv)
+    assert e.value.code == 2
+    assert "usage:" in capsys.readouterr().err

@@ -30,8 +30,9 @@ class DecodeConfig:
       block_k: tokens per tile (a power of two >= 16). A tile gathers its tokens' rows through the
         block table one token at a time, so it may span several pages (``block_k / block_size``
         pages when ``block_size`` divides it) or part of one; any ``block_size`` works.
-      num_splits: KV splits per (sequence, kv head) (flash-decoding). Each split walks an equal
-        share of the sequence's tiles; 1 means no split and no merge step.
+      num_splits: KV splits per (sequence, kv head) (flash-decoding). Each split walks a balanced
+        share of the sequence's tiles (`pallas_triton.split_share`); 1 means no split and no
+        merge step.
       num_warps: warps per program.
       num_stages: software-pipelining depth of the tile loop, as Triton takes it. The K/V loads
         depend on a table load, and Triton's pipeliner splits the stages between the two: 2, 3

@@ -103,8 +103,9 @@ def kv_tile_plan(first_pos, tile_queries, n, split, *, block_k: int, num_splits:
     The tiles ``key_lo // block_k .. ceil(key_hi / block_k) - 1`` are split into ``num_splits``
     balanced contiguous shares (`split_share`); this program (split ``split``) walks its share,
     in three ranges: masked tiles before the shared ones (a window's edge), unmasked shared
-    tiles, masked tiles after them (the diagonal). Nothing past ``key_hi`` and no tile wholly before ``key_lo`` is
-    visited. A program with no queries (``tile_queries == 0``) visits nothing.
+    tiles, masked tiles after them (the diagonal). Nothing past ``key_hi`` and no tile wholly
+    before ``key_lo`` is visited. A program with no queries (``tile_queries == 0``) visits
+    nothing.
 
     Returns:
       ``(key_lo, key_hi, shared_lo, shared_hi, loops)``: int32 scalars and three ``(lo, hi)``
