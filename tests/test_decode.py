@@ -485,10 +485,18 @@ def test_heuristic_configs_are_valid_and_never_split_short(cache_dtype, head_dim
     assert not config.fp8_v_at_load and not config.merge_in_kernel
 
 
-def test_tuned_h200_table_leaves_fp8_caches_to_the_heuristic():
-    """The fp8 layout measured fastest at both fp8 shapes is the heuristic's; a tuned entry
-    for an fp8 class would shadow it."""
+def test_tuned_h200_fp8_entries_keep_the_pair_layout():
+    """A tuned fp8 entry keeps the heuristic's fp8 layout (the pairs, measured fastest) and
+    changes only the tiling; B=32/ctx 4096, where the heuristic's tiling measured fastest, has
+    none, B=8/ctx 16384 has its own."""
     from pallas_paged.decode_attention.configs import TUNED, get_heuristic_config, lookup
-    assert not [key for key in TUNED["NVIDIA H200"] if key[0] == "float8_e4m3fn"]
-    shape = _decode_shape(32, 4096, "float8_e4m3fn")
-    assert lookup(shape, "NVIDIA H200", 132) == get_heuristic_config(shape, 132)
+    fp8_entries = {key: config for key, config in TUNED["NVIDIA H200"].items()
+                   if key[0] == "float8_e4m3fn"}
+    assert fp8_entries
+    for config in fp8_entries.values():
+        assert config.fp8_pairs and not config.fp8_v_at_load
+    b32 = _decode_shape(32, 4096, "float8_e4m3fn")
+    assert lookup(b32, "NVIDIA H200", 132) == get_heuristic_config(b32, 132)
+    b8 = _decode_shape(8, 16384, "float8_e4m3fn")
+    assert lookup(b8, "NVIDIA H200", 132) == fp8_entries[("float8_e4m3fn", 128, 4, 16, 8, 16384)]
+    assert lookup(b8, "NVIDIA H200", 132) != get_heuristic_config(b8, 132)

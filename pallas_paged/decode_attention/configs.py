@@ -178,8 +178,12 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
 # NVIDIA H200 (132 SMs), 2026-11-30 (docs/BENCHMARKS.md); only classes where the best candidate
 # beat the heuristic are listed.
 TUNED: dict[str, dict[tuple, DecodeConfig]] = {"NVIDIA H200": {
-    # fp8 caches: none; the heuristic's config (bk128 st5 fp8_pairs, about two programs per
-    # multiprocessor) was the fastest measured at both fp8 shapes (`get_heuristic_config`)
+    # fp8 caches: at B=32 the heuristic's config (bk128 st5 fp8_pairs) is the fastest measured.
+    # fp8_b8_ctx16384: 72.6 and 73.9 us vs 76.6 and 75.8 us heuristic (bk128 s4 w4 st5 pr1) in two
+    # processes, 2026-12-05 (`python -m benchmarks.decode_anatomy`): 384 programs of 42-43 tiles
+    # of 64 tokens (balanced split shares), s8 74.6-75.0 us
+    ("float8_e4m3fn", 128, 4, 16, 8, 16384): DecodeConfig(block_k=64, num_splits=6, num_warps=4,
+                                                           num_stages=5, fp8_pairs=True),
     # b1_ctx32768: 40.5 and 40.1 us vs 42.2 and 42.4 us heuristic (bk64 s64 w4 st2) in two runs,
     # 2026-12-02: 128 programs of 128-token tiles in a ring two tiles deep, one per multiprocessor
     ("bfloat16", 128, 4, 16, 1, 32768): DecodeConfig(block_k=128, num_splits=16, num_warps=4, num_stages=5),
