@@ -489,7 +489,8 @@ def test_tuned_h200_fp8_entries_keep_the_pair_layout():
     """A tuned fp8 entry keeps the heuristic's fp8 layout (the pairs, measured fastest) and
     changes only the tiling; B=32/ctx 4096, where the heuristic's tiling measured fastest, has
     none, B=8/ctx 16384 has its own."""
-    from pallas_paged.decode_attention.configs import TUNED, get_heuristic_config, lookup
+    from pallas_paged.decode_attention.configs import (TUNED, get_heuristic_config, lookup,
+                                                       shape_class)
     fp8_entries = {key: config for key, config in TUNED["NVIDIA H200"].items()
                    if key[0] == "float8_e4m3fn"}
     assert fp8_entries
@@ -498,5 +499,5 @@ def test_tuned_h200_fp8_entries_keep_the_pair_layout():
     b32 = _decode_shape(32, 4096, "float8_e4m3fn")
     assert lookup(b32, "NVIDIA H200", 132) == get_heuristic_config(b32, 132)
     b8 = _decode_shape(8, 16384, "float8_e4m3fn")
-    assert lookup(b8, "NVIDIA H200", 132) == fp8_entries[("float8_e4m3fn", 128, 4, 16, 8, 16384)]
+    assert lookup(b8, "NVIDIA H200", 132) == fp8_entries[shape_class(b8)]
     assert lookup(b8, "NVIDIA H200", 132) != get_heuristic_config(b8, 132)
