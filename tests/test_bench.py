@@ -1179,3 +1179,32 @@ def test_bars_usage_errors(argv, capsys):
         bars.main(argv)
     assert e.value.code == 2
     assert "usage:" in capsys.readouterr().err
+
+
+def test_call_overhead_fits_the_line_it_was_given():
+    """`call_overhead.fit_line` recovers the fixed cost and the rate of exact points, and says NaN
+    where one size cannot fix a line."""
+    from benchmarks import call_overhead
+
+    nbytes = [1e8, 2e8, 4e8]
+    times = [3.0 + b / (4.0e12 * 1e-6) for b in nbytes]  # 3 us + bytes at 4 TB/s
+    line = call_overhead.fit_line(nbytes, times)
+    assert line["fixed_us"] == pytest.approx(3.0, abs=1e-6)
+    assert line["rate_tbps"] == pytest.approx(4.0, rel=1e-9)
+    assert line["max_residual_us"] < 1e-6
+    assert math.isnan(call_overhead.fit_line([1e8, 1e8], [10.0, 11.0])["fixed_us"])
+
+
+def test_call_overhead_smoke_times_one_config_at_every_length(tmp_path):
+    """Every context length runs the named shape's config, checked against impl="xla"."""
+    from benchmarks import call_overhead
+
+    path = tmp_path / "overhead.json"
+    code = call_overhead.main(["--smoke", "--contexts", "32,64", "--config", "bk16/s2",
+                               "--json", str(path)])
+    assert code == 0
+    [shape] = json.loads(path.read_text())["shapes"]
+    assert shape["config"]["block_k"] == 16 and shape["config"]["num_splits"] == 2
+    assert [p["context"] for p in shape["points"]] == [32, 64]
+    assert all(p["status"] == "ok" and p["rel_err"] < 1e-2 for p in shape["points"])
+    assert shape["points"][1]["bytes"] > shape["points"][0]["bytes"]
