@@ -172,7 +172,8 @@ def parse_config_label(label: str, fields: dict, flags: tuple = ()) -> dict:
 
 # `config_label`'s parts of a `DecodeConfig`: prefix -> field (the 0/1 flags in DECODE_CONFIG_FLAGS)
 DECODE_CONFIG_PARTS = {"bk": "block_k", "s": "num_splits", "w": "num_warps", "st": "num_stages",
-                       "vl": "fp8_v_at_load", "mk": "merge_in_kernel", "pr": "fp8_pairs"}
+                       "vl": "fp8_v_at_load", "mk": "merge_in_kernel", "pr": "fp8_pairs",
+                       "p": "persistent_programs"}
 DECODE_CONFIG_FLAGS = ("fp8_v_at_load", "merge_in_kernel", "fp8_pairs")
 
 
@@ -331,7 +332,8 @@ def config_label(c: DecodeConfig | MosaicDecodeConfig) -> str:
                 + ("/vp1" if c.fp8_v_in_producer else "") + ("/ps1" if c.persistent else ""))
     return (f"bk{c.block_k}/s{c.num_splits}/w{c.num_warps}/st{c.num_stages}"
             + ("/vl1" if c.fp8_v_at_load else "") + ("/mk1" if c.merge_in_kernel else "")
-            + ("/pr1" if c.fp8_pairs else ""))
+            + ("/pr1" if c.fp8_pairs else "")
+            + (f"/p{c.persistent_programs}" if c.persistent_programs else ""))
 
 
 def abstract_args(shape: DecodeBenchShape) -> tuple:

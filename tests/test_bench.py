@@ -433,7 +433,7 @@ def test_read_only_probe_reads_exactly_the_decode_tiles(rng):
     for b, n in enumerate(lens_np):
         tiles = -(-int(n) // 16)
         for split in range(2):  # `split_share`'s balanced shares
-            lo, hi = tiles * split // 2, tiles * (split + 1) // 2
+            lo, hi = (0, -(-tiles // 2)) if split == 0 else (-(-tiles // 2), tiles)
             positions = np.arange(lo * 16, min(hi * 16, n))
             slots = tables_np[b, positions // 8] * 8 + positions % 8
             for h in range(2):
@@ -795,16 +795,17 @@ def test_ncu_opcodes_sums_the_source_page_by_opcode(tmp_path):
                                 fp8_v_at_load=True)),
     ("vl0", dict(fp8_v_at_load=False)),
     ("s16/st9/mk1", dict(num_splits=16, num_stages=9, merge_in_kernel=True)),
-    ("bk64/pr1", dict(block_k=64, fp8_pairs=True))])
+    ("bk64/pr1", dict(block_k=64, fp8_pairs=True)),
+    ("bk64/p33", dict(block_k=64, persistent_programs=33))])
 def test_decode_config_labels_round_trip(label, expected):
     from benchmarks import triton_sass
     assert bench.parse_decode_config(label) == expected
     assert triton_sass.parse_config(label) == expected
     config = DecodeConfig(**{**dict(block_k=64, num_splits=1, num_warps=4, num_stages=2),
                              **expected})
-    flags = ("merge_in_kernel", "fp8_v_at_load", "fp8_pairs")
+    omitted_when_off = ("merge_in_kernel", "fp8_v_at_load", "fp8_pairs", "persistent_programs")
     assert bench.parse_decode_config(bench.config_label(config)) == {
-        k: v for k, v in dataclasses.asdict(config).items() if k not in flags or v}
+        k: v for k, v in dataclasses.asdict(config).items() if k not in omitted_when_off or v}
     with pytest.raises(ValueError, match="vl takes 0 or 1"):
         bench.parse_decode_config("vl2")
     with pytest.raises(ValueError, match="mk takes 0 or 1"):

@@ -32,6 +32,11 @@ SPLIT_CONFIGS = (
     pp.DecodeConfig(block_k=16, num_splits=7),
     pp.DecodeConfig(block_k=16, num_splits=7, merge_in_kernel=True),  # some splits empty
     pp.DecodeConfig(block_k=32, num_splits=2, merge_in_kernel=True),
+    # persistent programs: the batch's tiles dealt to 1, 3 and 7 programs per kv head (shares
+    # that cut sequences, a share inside one sequence, shares of several sequences)
+    pp.DecodeConfig(block_k=16, persistent_programs=1),
+    pp.DecodeConfig(block_k=16, persistent_programs=3),
+    pp.DecodeConfig(block_k=32, persistent_programs=7),
 )
 
 

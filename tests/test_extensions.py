@@ -16,7 +16,8 @@ from paged_inputs import make_paged
 from test_decode import IMPLS, assert_matches_torch, run_jax
 
 SPLITS = (pp.DecodeConfig(block_k=16, num_splits=1), pp.DecodeConfig(block_k=16, num_splits=3),
-          pp.DecodeConfig(block_k=16, num_splits=3, merge_in_kernel=True))
+          pp.DecodeConfig(block_k=16, num_splits=3, merge_in_kernel=True),
+          pp.DecodeConfig(block_k=16, persistent_programs=3))
 
 
 def options(rng, num_heads, which):
@@ -29,7 +30,8 @@ def options(rng, num_heads, which):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("which", ["logits_soft_cap", "alibi_slopes", "sliding_window", "sinks", "all"])
-@pytest.mark.parametrize("config", SPLITS, ids=["one_split", "three_splits", "merged_in_kernel"])
+@pytest.mark.parametrize("config", SPLITS, ids=["one_split", "three_splits", "merged_in_kernel",
+                                                 "persistent"])
 def test_option_matches_torch_ref(rng, impl, which, config):
     paged = make_paged(rng, lens=[29, 0, 1, 5, 16, 33], num_heads=6, num_kv_heads=2,
                        block_size=5, head_dim=32)
@@ -151,12 +153,13 @@ def test_fp8_cache_with_padded_head_dim(rng, impl, path, head_dim):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("path", ["v_at_load", "pairs"])
-@pytest.mark.parametrize("merge_in_kernel", [False, True], ids=["merge_kernel", "merged"])
-def test_fp8_paths_with_every_option(rng, impl, path, merge_in_kernel):
+@pytest.mark.parametrize("merge", ["merge_kernel", "merged", "persistent"])
+def test_fp8_paths_with_every_option(rng, impl, path, merge):
     paged = make_paged(rng, lens=[21, 3, 0], num_heads=4, num_kv_heads=2, block_size=4,
                        dtype="float8_e4m3fn")
-    config = pp.DecodeConfig(block_k=16, num_splits=3, merge_in_kernel=merge_in_kernel,
-                             **FP8_PATHS[path])
+    layout = (dict(persistent_programs=2) if merge == "persistent"
+              else dict(num_splits=3, merge_in_kernel=merge == "merged"))
+    config = pp.DecodeConfig(block_k=16, **layout, **FP8_PATHS[path])
     assert_matches_torch(paged, impl, "float8_e4m3fn", k_scale=0.25, v_scale=0.75,
                          return_lse=True, config=config if impl == "pallas" else None,
                          **options(rng, 4, "all"))
@@ -246,7 +249,8 @@ def test_return_lse_shape_and_values(rng, impl):
     pp.DecodeConfig(block_k=64, num_splits=2, num_warps=2, num_stages=5, fp8_pairs=True),
     pp.DecodeConfig(block_k=128, num_splits=1, num_warps=4, num_stages=5, fp8_pairs=True),
     pp.DecodeConfig(block_k=32, num_splits=3, num_warps=8, fp8_pairs=True, merge_in_kernel=True),
-], ids=["bk16_w1", "bk64_w2_st5", "bk128_w4_st5", "bk32_w8_merged"])
+    pp.DecodeConfig(block_k=64, num_warps=4, num_stages=5, fp8_pairs=True, persistent_programs=3),
+], ids=["bk16_w1", "bk64_w2_st5", "bk128_w4_st5", "bk32_w8_merged", "bk64_w4_st5_p3"])
 @pytest.mark.parametrize("head_dim", [128, 40])
 def test_fp8_pairs_two_words_per_conversion_compiled(rng, monkeypatch, config, head_dim):
     """`pallas_triton.PAIR_WORDS_PER_CONVERSION` = 2 in the compiled decode kernel: the same

@@ -59,6 +59,12 @@ class DecodeConfig:
         register moves around every MMA, a query reread from shared memory per tile, and a V
         tile staged with bank conflicts (Nsight Compute on an H200, docs/BENCHMARKS.md). Replaces
         ``fp8_v_at_load``. No effect on 16-bit caches.
+      persistent_programs: 0 (the default) for the grid of one program per (sequence, kv head,
+        split); ``P >= 1`` for ``P`` programs per kv head that deal the tiles of the whole batch
+        among them (`pallas_triton._persistent_decode_kernel`): the sequences' tiles end to end,
+        each program a balanced contiguous share, so every program walks the same number of
+        tiles (+-1) however the lengths differ, and a sequence cut by a share's boundary is
+        merged by the last of its programs to finish (one launch). Needs ``num_splits == 1``.
     """
 
     block_k: int = 64
@@ -68,12 +74,19 @@ class DecodeConfig:
     merge_in_kernel: bool = False
     fp8_v_at_load: bool = False
     fp8_pairs: bool = False
+    persistent_programs: int = 0
 
     def __post_init__(self):
         for name in ("block_k", "num_splits", "num_warps", "num_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DecodeConfig.{name}={value!r} must be a positive int")
+        programs = self.persistent_programs
+        if isinstance(programs, bool) or not isinstance(programs, int) or programs < 0:
+            raise ValueError(f"DecodeConfig.persistent_programs={programs!r} must be an int >= 0")
+        if programs and self.num_splits != 1:
+            raise ValueError(f"DecodeConfig.persistent_programs={programs} deals whole sequences;"
+                             f" it needs num_splits=1, not {self.num_splits}")
         for name in ("merge_in_kernel", "fp8_v_at_load", "fp8_pairs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DecodeConfig.{name}={getattr(self, name)!r} must be a bool")

@@ -267,22 +267,45 @@ def kv_ring_depth(num_stages: int) -> int:
     return max(1, (num_stages - 1) // 2)
 
 
+def balanced_share(count, part, num_parts):
+    """Part ``part``'s contiguous share ``[lo, hi)`` of ``count`` items dealt to ``num_parts``
+    parts: the first ``count % num_parts`` shares one item longer than the others, so the
+    lengths differ by at most one and the longest is ``ceil(count / num_parts)``. Computed
+    without the product ``count * num_parts`` (no int32 overflow for any count).
+
+    Args:
+      count: int32 scalar >= 0; part: int32 scalar in ``[0, num_parts)``; num_parts: int >= 1.
+    """
+    base, extra = count // num_parts, count % num_parts
+    lo = base * part + jnp.minimum(part, extra)
+    longer = jnp.clip(extra - part, 0, 1)  # 1 for the first `extra` parts (no bool -> int)
+    return lo, lo + base + longer
+
+
+def share_owner(item, count, num_parts):
+    """The part whose `balanced_share` of ``count`` items holds ``item`` (``0 <= item <
+    count``), as an int32 scalar."""
+    base, extra = count // num_parts, count % num_parts
+    long_items = extra * (base + 1)  # the items of the longer shares, first
+    return jnp.where(item < long_items, item // (base + 1),
+                     extra + (item - long_items) // jnp.maximum(base, 1))
+
+
 def split_share(tile_lo, tile_hi, split, num_splits: int):
     """Split ``split``'s contiguous share of the tiles ``[tile_lo, tile_hi)``, of ``num_splits``.
 
-    Balanced: the shares' lengths differ by at most one tile (``count * split // num_splits``
-    boundaries), so a split count that does not divide the tiles leaves no split idle while
-    others walk a full share (with ``ceil(count / num_splits)`` tiles per share, 512 tiles over 33
-    splits left the 33rd empty); the longest share is ``ceil(count / num_splits)`` tiles either
-    way. Every share is empty when ``count`` is 0 and some are when ``count < num_splits``.
+    Balanced (`balanced_share`): the shares' lengths differ by at most one tile, so a split
+    count that does not divide the tiles leaves no split idle while others walk a full share
+    (with ``ceil(count / num_splits)`` tiles per share, 512 tiles over 33 splits left the 33rd
+    empty); the longest share is ``ceil(count / num_splits)`` tiles either way. Every share is
+    empty when ``count`` is 0 and some are when ``count < num_splits``.
 
     Returns:
       ``(lo, hi)`` int32 scalars with ``tile_lo <= lo <= hi <= tile_hi``.
     """
     count = jnp.maximum(tile_hi - tile_lo, 0)
-    lo = tile_lo + (count * split) // num_splits
-    hi = tile_lo + (count * (split + 1)) // num_splits
-    return lo, hi
+    lo, hi = balanced_share(count, split, num_splits)
+    return tile_lo + lo, tile_lo + hi
 
 
 def tile_range(n, split, *, block_k: int, num_splits: int, window: int | None):
@@ -326,6 +349,90 @@ def tile_slots(tables_ref, b, tile, first, n, *, block_k: int, block_size: int, 
     return pos, valid, block * block_size + pos % block_size
 
 
+def attend_tiles(tables_ref, k_ref, v_ref, qs, score_scale, slopes, *, b, h, n, first,
+                 tile_lo, tile_hi, words, word_ok, block_k: int, block_size: int,
+                 compute_dtype, soft_cap: float | None, fp8_v_at_load: bool, fp8_pairs: bool,
+                 interpret: bool):
+    """The online softmax of one kv head's query rows over tiles ``[tile_lo, tile_hi)`` of
+    sequence ``b`` (the kernels' tile loop, which Triton pipelines).
+
+    Args:
+      tables_ref, k_ref, v_ref: as `_paged_decode_kernel`'s (the caches `slot_major`).
+      qs: the query rows' `column_parts` tiles in ``compute_dtype`` (`query_for_dots`), each
+        ``[Gp, Dq]``; score_scale: f32 scalar, the factor of every score.
+      slopes: f32[Gp] ALiBi slopes, or None.
+      b, h, n, first: int32 scalars: the sequence, the kv head, its clamped length and its first
+        position inside the window (`tile_range`); tile_lo, tile_hi: int32 scalars.
+      words, word_ok: `column_parts`' word indices and mask, i32[Dq] / bool[Dq].
+
+    Returns:
+      ``(accs, m, l)``: per part the unnormalized weighted sum f32[Gp, Dq], the running max and
+      the sum of exponentials f32[Gp] (``-inf`` and 0 where no tile was walked).
+    """
+    num_blocks = k_ref.shape[0] // block_size
+    padded_group, part_dim = qs[0].shape
+    load_tile = functools.partial(load_kv_parts, h=h, words=words, fp8_pairs=fp8_pairs,
+                                  interpret=interpret)
+
+    def tile_body(tile, carry):
+        accs, m_prev, l_prev = carry  # (f32[Gp, Dq],) * parts, f32[Gp], f32[Gp]
+        pos, valid, slot = tile_slots(tables_ref, b, tile, first, n, block_k=block_k,
+                                      block_size=block_size, num_blocks=num_blocks)
+        kv_mask = valid[:, None] & word_ok[None, :]
+        ks = load_tile(k_ref, slot, mask=kv_mask)  # [Tk, Dq] each
+        s = functools.reduce(jnp.add, [_dot_nt(q, k.astype(compute_dtype))
+                                       for q, k in zip(qs, ks)])  # f32[Gp, Tk]
+        s = s * score_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        if slopes is not None:
+            s = s + slopes[:, None] * (pos - (n - 1)).astype(jnp.float32)[None, :]
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m_next = jnp.maximum(m_prev, s.max(axis=1))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # all -inf so far: keep exp finite
+        alpha = softmax_exp(m_prev - m_safe, interpret=interpret)  # f32[Gp]
+        p = softmax_exp(s - m_safe[:, None], interpret=interpret)  # f32[Gp, Tk], 0 where masked
+        vs = load_tile(v_ref, slot, mask=kv_mask)  # [Tk, Dq] each
+        if fp8_pairs:  # the pairs' fp16 tiles, in fp32 for an fp32 query
+            vs = tuple(v.astype(compute_dtype) for v in vs)
+        else:
+            vs = (value_tile_for_dot(vs[0], compute_dtype, word_ok, at_load=fp8_v_at_load),)
+        p_dot = p.astype(compute_dtype)
+        accs = tuple(acc * alpha[:, None] + _dot_nn(p_dot, v) for acc, v in zip(accs, vs))
+        return accs, m_next, l_prev * alpha + p.sum(axis=1)
+
+    carry = ((jnp.zeros((padded_group, part_dim), jnp.float32),) * len(qs),
+             jnp.full((padded_group,), -jnp.inf, jnp.float32),
+             jnp.zeros((padded_group,), jnp.float32))
+    return jax.lax.fori_loop(tile_lo, tile_hi, tile_body, carry)
+
+
+def load_queries(q_ref, b, h, rows, row_ok, word_ok, part_cols, score_scale, compute_dtype):
+    """The query rows of (sequence ``b``, kv head ``h``) from ``q_ref`` [batch, kvh, group,
+    head_dim] as `attend_tiles` takes them: `query_for_dots` of their `column_parts` tiles."""
+    qs = tuple(plgpu.load(q_ref.at[b, h, rows[:, None], c[None, :]],
+                          mask=row_ok[:, None] & word_ok[None, :], other=0)
+               for c in part_cols)  # [Gp, Dq] each
+    return query_for_dots(qs, score_scale, compute_dtype)
+
+
+def store_normalized(out_ref, lse_ref, index, accs, m, l, sink, *, present, rows, row_ok,
+                     word_ok, part_cols):
+    """A finished online softmax's output and lse at ``out_ref.at[*index]`` / ``lse_ref.at[*index]``
+    (``[..., group, head_dim]`` in the output dtype / f32[..., group]): the sink's logit added
+    (``sink`` f32[Gp] or None), the sums divided out (rows with ``l == 0`` give zeros), ``lse =
+    -inf`` where not ``present`` (no key)."""
+    if sink is not None:
+        accs, m, l = with_sink(accs, m, l, sink)
+    ok = divides(l)
+    for acc, c in zip(accs, part_cols):
+        out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
+        plgpu.store(out_ref.at[(*index, rows[:, None], c[None, :])], out.astype(out_ref.dtype),
+                    mask=row_ok[:, None] & word_ok[None, :])
+    lse = jnp.where(present, m + jnp.log(l), -jnp.inf)
+    plgpu.store(lse_ref.at[(*index, rows)], lse, mask=row_ok)
+
+
 def _paged_decode_kernel(
     lens_ref,    # i32[batch]
     tables_ref,  # i32[batch, max_blocks]
@@ -358,8 +465,6 @@ def _paged_decode_kernel(
     del arrivals_in_ref  # aliased to the arrivals output, which the kernel updates
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     _, _, group, head_dim = q_ref.shape
-    num_slots = k_ref.shape[0]
-    num_blocks = num_slots // block_size
     capacity = tables_ref.shape[1] * block_size
 
     n = jnp.clip(lens_ref[b], 0, capacity)
@@ -370,49 +475,16 @@ def _paged_decode_kernel(
     row_ok = rows < group
     # [Dq], [Dq], [Dq] per part: the head's columns in one part, or the even and the odd ones
     words, word_ok, part_cols = column_parts(padded_dim, head_dim, fp8_pairs=fp8_pairs)
-    parts = len(part_cols)
-    qs = tuple(plgpu.load(q_ref.at[b, h, rows[:, None], c[None, :]],
-                          mask=row_ok[:, None] & word_ok[None, :], other=0)
-               for c in part_cols)  # [Gp, Dq] each
     score_scale = scale if k_scale_ref is None else k_scale_ref[0] * scale
-    qs, score_scale = query_for_dots(qs, score_scale, compute_dtype)
-    if alibi_ref is not None:
-        slopes = plgpu.load(alibi_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gp]
-
-    load_tile = functools.partial(load_kv_parts, h=h, words=words, fp8_pairs=fp8_pairs,
-                                  interpret=interpret)
-
-    def tile_body(tile, carry):
-        accs, m_prev, l_prev = carry  # (f32[Gp, Dq],) * parts, f32[Gp], f32[Gp]
-        pos, valid, slot = tile_slots(tables_ref, b, tile, first, n, block_k=block_k,
-                                      block_size=block_size, num_blocks=num_blocks)
-        kv_mask = valid[:, None] & word_ok[None, :]
-        ks = load_tile(k_ref, slot, mask=kv_mask)  # [Tk, Dq] each
-        s = functools.reduce(jnp.add, [_dot_nt(q, k.astype(compute_dtype))
-                                       for q, k in zip(qs, ks)])  # f32[Gp, Tk]
-        s = s * score_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        if alibi_ref is not None:
-            s = s + slopes[:, None] * (pos - (n - 1)).astype(jnp.float32)[None, :]
-        s = jnp.where(valid[None, :], s, -jnp.inf)
-        m_next = jnp.maximum(m_prev, s.max(axis=1))
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # all -inf so far: keep exp finite
-        alpha = softmax_exp(m_prev - m_safe, interpret=interpret)  # f32[Gp]
-        p = softmax_exp(s - m_safe[:, None], interpret=interpret)  # f32[Gp, Tk], 0 where masked
-        vs = load_tile(v_ref, slot, mask=kv_mask)  # [Tk, Dq] each
-        if fp8_pairs:  # the pairs' fp16 tiles, in fp32 for an fp32 query
-            vs = tuple(v.astype(compute_dtype) for v in vs)
-        else:
-            vs = (value_tile_for_dot(vs[0], compute_dtype, word_ok, at_load=fp8_v_at_load),)
-        p_dot = p.astype(compute_dtype)
-        accs = tuple(acc * alpha[:, None] + _dot_nn(p_dot, v) for acc, v in zip(accs, vs))
-        return accs, m_next, l_prev * alpha + p.sum(axis=1)
-
-    carry = ((jnp.zeros((padded_group, padded_dim // parts), jnp.float32),) * parts,
-             jnp.full((padded_group,), -jnp.inf, jnp.float32),
-             jnp.zeros((padded_group,), jnp.float32))
-    accs, m, l = jax.lax.fori_loop(tile_lo, tile_hi, tile_body, carry)
+    qs, score_scale = load_queries(q_ref, b, h, rows, row_ok, word_ok, part_cols, score_scale,
+                                   compute_dtype)
+    slopes = None if alibi_ref is None else plgpu.load(alibi_ref.at[h, rows], mask=row_ok,
+                                                       other=0)  # f32[Gp]
+    accs, m, l = attend_tiles(
+        tables_ref, k_ref, v_ref, qs, score_scale, slopes, b=b, h=h, n=n, first=first,
+        tile_lo=tile_lo, tile_hi=tile_hi, words=words, word_ok=word_ok, block_k=block_k,
+        block_size=block_size, compute_dtype=compute_dtype, soft_cap=soft_cap,
+        fp8_v_at_load=fp8_v_at_load, fp8_pairs=fp8_pairs, interpret=interpret)
     if v_scale_ref is not None:
         accs = tuple(acc * v_scale_ref[0] for acc in accs)
 
@@ -435,20 +507,172 @@ def _paged_decode_kernel(
         @pl.when(arrived == num_splits - 1)
         def _merge():
             merge_partials_in_program(o_ref, m_ref, l_ref, sinks_ref, out_ref, lse_ref, b=b, h=h,
-                                      present=n > 0, padded_dim=padded_dim)
+                                      present=n > 0, padded_dim=padded_dim,
+                                      part_index=lambda j: (b, h, j), num_parts=num_splits,
+                                      max_parts=num_splits)
         return
 
-    if sinks_ref is not None:
-        sink = plgpu.load(sinks_ref.at[h, rows], mask=row_ok, other=0)  # f32[Gp]
-        accs, m, l = with_sink(accs, m, l, sink)
+    sink = None if sinks_ref is None else plgpu.load(sinks_ref.at[h, rows], mask=row_ok,
+                                                     other=0)  # f32[Gp]
     out_ref, lse_ref = out_refs
-    ok = divides(l)
-    for acc, c in zip(accs, part_cols):
-        out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
-        plgpu.store(out_ref.at[b, h, rows[:, None], c[None, :]], out.astype(out_ref.dtype),
-                    mask=out_mask)
-    lse = jnp.where(n > 0, m + jnp.log(l), -jnp.inf)
-    plgpu.store(lse_ref.at[b, h, rows], lse, mask=row_ok)
+    store_normalized(out_ref, lse_ref, (b, h), accs, m, l, sink, present=n > 0, rows=rows,
+                     row_ok=row_ok, word_ok=word_ok, part_cols=part_cols)
+
+
+# Parts one step of a persistent program's merge loads: a sequence cut by share boundaries has
+# two parts unless the shares are shorter than it (B=32/ctx 4096 over 33 programs per kv head:
+# two); a chunk of 16 parts of D=128 took 174 registers per thread where 2 take ... (`python -m
+# benchmarks.triton_sass --shape b32_ctx4096 --config bk64/s1/w8/st5/p33`).
+PERSISTENT_MERGE_PARTS_PER_STEP = 2
+
+
+def _persistent_decode_kernel(
+    lens_ref,    # i32[batch]
+    tables_ref,  # i32[batch, max_blocks]
+    q_ref,       # [batch, num_kv_heads, group, head_dim]
+    k_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (as _paged_decode_kernel's)
+    v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]
+    alibi_ref,   # f32[num_kv_heads, group] or None
+    sinks_ref,   # f32[num_kv_heads, group] or None
+    k_scale_ref,  # f32[1] or None
+    v_scale_ref,  # f32[1] or None
+    arrivals_in_ref,  # i32[batch, kvh] zeros (the buffer of the arrivals output)
+    o_ref,       # f32[kvh, 2 * programs, group, head_dim]: each program's first and last
+                 #   segments' partial weighted sums (part 2p and 2p + 1)
+    m_ref,       # f32[kvh, 2 * programs, group]: their running maxima
+    l_ref,       # f32[kvh, 2 * programs, group]: their sums of exponentials
+    out_ref,     # [batch, kvh, group, head_dim] in q.dtype
+    lse_ref,     # f32[batch, kvh, group]
+    arrivals_ref,  # i32[batch, kvh]: programs done with each (sequence, kv head)
+    *,
+    scale: float,
+    block_size: int,
+    block_k: int,
+    num_programs: int,
+    padded_batch: int,
+    padded_group: int,
+    padded_dim: int,
+    compute_dtype,
+    soft_cap: float | None,
+    window: int | None,
+    fp8_v_at_load: bool,
+    fp8_pairs: bool,
+    interpret: bool,
+):
+    """`DecodeConfig.persistent_programs`: ``num_programs`` programs per kv head deal the tiles
+    of every sequence of the batch among them.
+
+    The sequences' tiles (`tile_range`'s, one split) are laid end to end, sequence 0 first, and
+    program ``p`` walks its `balanced_share` of them: one segment per sequence its share meets,
+    each segment the tile loop of `attend_tiles`. A segment that is a whole sequence is
+    normalized and stored; the others (a program's first and last) store partial results and
+    count their arrival at the (sequence, kv head), and the last program to arrive merges its
+    parts (`merge_partials_in_program`; `share_owner` says which programs hold them). Sequences
+    without tiles (``n == 0``) get zeros and ``lse = -inf`` from program ``b % num_programs``.
+    """
+    del arrivals_in_ref  # aliased to the arrivals output, which the kernel updates
+    h, p = pl.program_id(0), pl.program_id(1)
+    batch = lens_ref.shape[0]
+    _, _, group, head_dim = q_ref.shape
+    capacity = tables_ref.shape[1] * block_size
+
+    seqs = jnp.arange(padded_batch)  # [Bp]
+    n_all = jnp.clip(plgpu.load(lens_ref.at[seqs], mask=seqs < batch, other=0), 0, capacity)
+    _, lo_all, hi_all = tile_range(n_all, 0, block_k=block_k, num_splits=1, window=window)
+    count_all = jnp.maximum(hi_all - lo_all, 0)  # i32[Bp], each sequence's tiles
+    end_all = jnp.cumsum(count_all)  # i32[Bp], where each sequence's tiles end, end to end
+    total = jnp.max(end_all)
+    deal_lo, deal_hi = balanced_share(total, p, num_programs)
+    # the sequences holding this program's first and last tile (empty ones end before them)
+    b_first = jnp.sum(jnp.where(end_all <= deal_lo, 1, 0))
+    b_last = jnp.sum(jnp.where(end_all < deal_hi, 1, 0))
+    segments = jnp.where(deal_hi > deal_lo, b_last - b_first + 1, 0)
+
+    rows = jnp.arange(padded_group)  # [Gp]
+    row_ok = rows < group
+    words, word_ok, part_cols = column_parts(padded_dim, head_dim, fp8_pairs=fp8_pairs)
+    key_scale = scale if k_scale_ref is None else k_scale_ref[0] * scale
+    slopes = None if alibi_ref is None else plgpu.load(alibi_ref.at[h, rows], mask=row_ok,
+                                                       other=0)  # f32[Gp]
+    sink = None if sinks_ref is None else plgpu.load(sinks_ref.at[h, rows], mask=row_ok,
+                                                     other=0)  # f32[Gp]
+
+    def of_sequence(values, b):  # element b of an i32[Bp]
+        return jnp.sum(jnp.where(seqs == b, values, 0))
+
+    def segment(b, carry):
+        n = jnp.clip(lens_ref[b], 0, capacity)
+        first, tile_first, tile_end = tile_range(n, 0, block_k=block_k, num_splits=1,
+                                                 window=window)
+        seq_end = of_sequence(end_all, b)
+        seq_start = seq_end - (tile_end - tile_first)
+        lo, hi = jnp.maximum(deal_lo, seq_start), jnp.minimum(deal_hi, seq_end)
+        qs, score_scale = load_queries(q_ref, b, h, rows, row_ok, word_ok, part_cols, key_scale,
+                                       compute_dtype)
+        accs, m, l = attend_tiles(
+            tables_ref, k_ref, v_ref, qs, score_scale, slopes, b=b, h=h, n=n, first=first,
+            tile_lo=tile_first + lo - seq_start, tile_hi=tile_first + hi - seq_start,
+            words=words, word_ok=word_ok, block_k=block_k, block_size=block_size,
+            compute_dtype=compute_dtype, soft_cap=soft_cap, fp8_v_at_load=fp8_v_at_load,
+            fp8_pairs=fp8_pairs, interpret=interpret)
+        if v_scale_ref is not None:
+            accs = tuple(acc * v_scale_ref[0] for acc in accs)
+        walked = hi > lo  # (a sequence without tiles is left to the loop of empty ones below)
+        whole = (lo == seq_start) & (hi == seq_end)
+
+        @pl.when(walked & whole)
+        def _store():
+            store_normalized(out_ref, lse_ref, (b, h), accs, m, l, sink, present=n > 0,
+                             rows=rows, row_ok=row_ok, word_ok=word_ok, part_cols=part_cols)
+
+        @pl.when(walked & jnp.logical_not(whole))
+        def _store_part():
+            part = 2 * p + jnp.minimum(b - b_first, 1)  # 0: its first segment, 1: its last
+            out_mask = row_ok[:, None] & word_ok[None, :]
+            for acc, c in zip(accs, part_cols):
+                plgpu.store(o_ref.at[h, part, rows[:, None], c[None, :]], acc, mask=out_mask)
+            plgpu.store(m_ref.at[h, part, rows], m, mask=row_ok)
+            plgpu.store(l_ref.at[h, part, rows], l, mask=row_ok)
+            if not interpret:  # every thread's stores above come before the arrival below
+                plgpu.debug_barrier()
+            # acquire-release at GPU scope: the last to arrive sees every other part
+            arrived = plgpu.atomic_add(arrivals_ref, (b, h), jnp.ones((), jnp.int32))
+            owner_first = share_owner(seq_start, total, num_programs)
+            parts = share_owner(seq_end - 1, total, num_programs) - owner_first + 1
+            # 1 where the first owner's share starts before this sequence (this is its last
+            # segment), else 0; the later owners' shares start in it (their first segment)
+            first_owner_part = jnp.clip(
+                seq_start - balanced_share(total, owner_first, num_programs)[0], 0, 1)
+
+            def part_index(j):  # i32[C] -> (kv head, part) of the sequence's j-th program
+                return h, 2 * (owner_first + j) + first_owner_part * jnp.clip(1 - j, 0, 1)
+
+            @pl.when(arrived == parts - 1)
+            def _merge():
+                merge_partials_in_program(o_ref, m_ref, l_ref, sinks_ref, out_ref, lse_ref, b=b,
+                                          h=h, present=n > 0, padded_dim=padded_dim,
+                                          part_index=part_index, num_parts=parts,
+                                          max_parts=num_programs,
+                                          parts_per_step=PERSISTENT_MERGE_PARTS_PER_STEP)
+        return carry
+
+    jax.lax.fori_loop(b_first, b_first + segments, segment, jnp.int32(0))
+
+    def empty(i, carry):  # sequences with no tiles: zeros, lse -inf
+        b = p + i * num_programs
+
+        @pl.when(of_sequence(count_all, b) == 0)
+        def _zeros():
+            accs = (jnp.zeros((padded_group, padded_dim // len(part_cols)), jnp.float32),) * len(
+                part_cols)
+            store_normalized(out_ref, lse_ref, (b, h), accs,
+                             jnp.full((padded_group,), -jnp.inf, jnp.float32),
+                             jnp.zeros((padded_group,), jnp.float32), None,
+                             present=jnp.bool_(False), rows=rows, row_ok=row_ok,
+                             word_ok=word_ok, part_cols=part_cols)
+        return carry
+
+    jax.lax.fori_loop(0, (batch - p + num_programs - 1) // num_programs, empty, jnp.int32(0))
 
 
 def divides(l):
@@ -492,46 +716,61 @@ MERGE_CHUNK_ELEMENTS = 8192  # partial-result elements one step of the in-kernel
 
 
 def merge_partials_in_program(o_ref, m_ref, l_ref, sinks_ref, out_ref, lse_ref, *, b, h, present,
-                              padded_dim: int):
-    """`_merge_splits` for one (sequence, kv head), inside the kernel's last program to finish it.
+                              padded_dim: int, part_index, num_parts, max_parts: int,
+                              parts_per_step: int | None = None):
+    """`_merge_splits` for one (sequence ``b``, kv head ``h``), inside the program that finishes
+    it last, into ``out_ref.at[b, h]`` / ``lse_ref.at[b, h]`` (`_paged_decode_kernel`'s single
+    outputs).
 
-    Refs as `_paged_decode_kernel`'s split outputs (``o_ref`` f32[batch, kvh, splits, group,
-    head_dim], ``m_ref`` / ``l_ref`` f32[batch, kvh, splits, group]) and its single-split outputs
-    (``out_ref``, ``lse_ref``). The maxima and sums of all splits are loaded at once; the weighted
-    partial outputs in chunks of splits (``MERGE_CHUNK_ELEMENTS`` at a time), independent loads
-    that the loop can keep in flight. Partials are read with volatile loads (from L2, where other
-    multiprocessors' stores are), never from a stale L1 line: the partials of small rows share
-    cache lines with their neighbours', which an earlier merge on the same multiprocessor read.
+    The partial results ``(o f32[..., group, head_dim], m, l f32[..., group])`` of the row's
+    parts ``j < num_parts`` (an int32 scalar, at most the static ``max_parts``) sit at
+    ``o_ref.at[*part_index(j)]`` (and the same in ``m_ref``, ``l_ref``): ``part_index`` maps an
+    i32[C] of part numbers to the refs' leading indices (scalars, or i32[C] arrays), e.g. ``(b,
+    h, j)`` for the splits of `_paged_decode_kernel`. The maxima and sums of all parts are loaded
+    at once; the weighted partial outputs in chunks of parts (``MERGE_CHUNK_ELEMENTS`` at a time,
+    or ``parts_per_step`` parts where the row usually has few: the chunk's registers count
+    toward the whole kernel's), independent loads that the loop can keep in flight. Partials are read with volatile loads
+    (from L2, where other multiprocessors' stores are), never from a stale L1 line: the partials
+    of small rows share cache lines with their neighbours', which an earlier merge on the same
+    multiprocessor read.
     """
-    num_splits, group, head_dim = o_ref.shape[2], o_ref.shape[3], o_ref.shape[4]
-    padded_splits = next_power_of_2(num_splits)
+    group, head_dim = out_ref.shape[2], out_ref.shape[3]
+    padded_parts = next_power_of_2(max_parts)
     rows_p = next_power_of_2(group)
-    chunk = max(1, min(padded_splits, MERGE_CHUNK_ELEMENTS // (rows_p * padded_dim)))
+    chunk = max(1, min(padded_parts, MERGE_CHUNK_ELEMENTS // (rows_p * padded_dim),
+                       parts_per_step or padded_parts))
     rows = jnp.arange(rows_p)  # [Gm]
     cols = jnp.arange(padded_dim)  # [Dp]
     row_ok, col_ok = rows < group, cols < head_dim
-    splits = jnp.arange(padded_splits)  # [Sp]
-    ok = (splits < num_splits)[:, None] & row_ok[None, :]  # [Sp, Gm]
-    m = plgpu.load(m_ref.at[b, h, splits[:, None], rows[None, :]], mask=ok, other=-jnp.inf,
+
+    def at_parts(j, extra: int):  # part_index(j) shaped to broadcast against `extra` more axes
+        return tuple(x if jnp.ndim(x) == 0 else x.reshape(x.shape + (1,) * extra)
+                     for x in part_index(j))
+
+    parts = jnp.arange(padded_parts)  # [Sp]
+    ok = (parts < num_parts)[:, None] & row_ok[None, :]  # [Sp, Gm]
+    at = at_parts(jnp.where(parts < num_parts, parts, 0), 1)
+    m = plgpu.load(m_ref.at[(*at, rows[None, :])], mask=ok, other=-jnp.inf,
                    volatile=True)  # f32[Sp, Gm]
-    l = plgpu.load(l_ref.at[b, h, splits[:, None], rows[None, :]], mask=ok, other=0.0,
+    l = plgpu.load(l_ref.at[(*at, rows[None, :])], mask=ok, other=0.0,
                    volatile=True)  # f32[Sp, Gm]
     sink = None if sinks_ref is None else plgpu.load(sinks_ref.at[h, rows], mask=row_ok,
                                                      other=0)  # f32[Gm]
     m_total, l_total, _ = merged_max_and_sum(m, l, jnp.max(m, axis=0), sink)  # f32[Gm] each
 
     def add_chunk(c, o_total):  # o_total: f32[Gm, Dp]
-        s = c * chunk + jnp.arange(chunk)  # [C]
-        s_ok = (s < num_splits)[:, None] & row_ok[None, :]  # [C, Gm]
-        m_c = plgpu.load(m_ref.at[b, h, s[:, None], rows[None, :]], mask=s_ok, other=-jnp.inf,
-                         volatile=True)  # f32[C, Gm]
-        o_c = plgpu.load(o_ref.at[b, h, s[:, None, None], rows[None, :, None], cols[None, None, :]],
-                         mask=s_ok[:, :, None] & col_ok[None, None, :], other=0.0,
+        j = c * chunk + jnp.arange(chunk)  # [C]
+        j_ok = (j < num_parts)[:, None] & row_ok[None, :]  # [C, Gm]
+        j_safe = jnp.where(j < num_parts, j, 0)
+        m_c = plgpu.load(m_ref.at[(*at_parts(j_safe, 1), rows[None, :])], mask=j_ok,
+                         other=-jnp.inf, volatile=True)  # f32[C, Gm]
+        o_c = plgpu.load(o_ref.at[(*at_parts(j_safe, 2), rows[None, :, None], cols[None, None, :])],
+                         mask=j_ok[:, :, None] & col_ok[None, None, :], other=0.0,
                          volatile=True)  # f32[C, Gm, Dp]
-        weight = jnp.exp(m_c - m_total[None, :])  # f32[C, Gm], 0 for empty splits
+        weight = jnp.exp(m_c - m_total[None, :])  # f32[C, Gm], 0 for missing parts
         return o_total + jnp.sum(weight[:, :, None] * o_c, axis=0)
 
-    o_total = jax.lax.fori_loop(0, padded_splits // chunk, add_chunk,
+    o_total = jax.lax.fori_loop(0, (num_parts + chunk - 1) // chunk, add_chunk,
                                 jnp.zeros((rows_p, padded_dim), jnp.float32))
     has = present & divides(l_total)  # [Gm]
     out = jnp.where(has[:, None], o_total / jnp.where(has, l_total, 1.0)[:, None], 0.0)
@@ -693,6 +932,59 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     return outs[3:5] if merge_in_kernel else outs
 
 
+def persistent_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale,
+                           config: DecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
+                           sliding_window, sinks, k_scale, v_scale):
+    """`_persistent_decode_kernel` over the grid ``(num_kv_heads, config.persistent_programs)``.
+
+    Arguments as `decode_pallas`.
+
+    Returns:
+      ``(out [batch, kvh, group, head_dim] in q.dtype, lse f32[batch, kvh, group])``.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_blocks, block_size, kvh, _ = k_cache.shape
+    group = num_heads // kvh
+    programs = config.persistent_programs
+    fp8_pairs = uses_fp8_pairs(config.fp8_pairs, k_cache.dtype, head_dim)
+    fp8_v_at_load = (config.fp8_v_at_load and jnp.dtype(k_cache.dtype).itemsize == 1
+                     and not fp8_pairs)
+    kernel = functools.partial(
+        _persistent_decode_kernel, scale=scale, block_size=block_size, block_k=config.block_k,
+        num_programs=programs, padded_batch=next_power_of_2(batch),
+        padded_group=max(MIN_DOT_ROWS, next_power_of_2(group)),
+        padded_dim=max(16, next_power_of_2(head_dim)), compute_dtype=dot_dtype(q.dtype,
+                                                                              k_cache.dtype),
+        soft_cap=logits_soft_cap, window=sliding_window, fp8_v_at_load=fp8_v_at_load,
+        fp8_pairs=fp8_pairs, interpret=interpret)
+    per_head = lambda x: None if x is None else x.reshape(kvh, group)  # noqa: E731
+    out_shape = (jax.ShapeDtypeStruct((kvh, 2 * programs, group, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((kvh, 2 * programs, group), jnp.float32),
+                 jax.ShapeDtypeStruct((kvh, 2 * programs, group), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, kvh, group, head_dim), q.dtype),
+                 jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, kvh), jnp.int32))
+    operands = (context_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
+                q.reshape(batch, kvh, group, head_dim), slot_major(k_cache, fp8_pairs=fp8_pairs),
+                slot_major(v_cache, fp8_pairs=fp8_pairs), per_head(alibi_slopes),
+                per_head(sinks), *kernel_scale_operands(k_scale, v_scale))
+    name = (f"pallas_paged_decode_bk{config.block_k}_p{programs}_g{group}_d{head_dim}"
+            f"_bs{block_size}" + ("_vload" if fp8_v_at_load else "")
+            + ("_pairs" if fp8_pairs else ""))
+    outs = pl.pallas_call(
+        kernel,
+        grid=(kvh, programs),
+        out_shape=out_shape,
+        # the arrival counts start at zero and live in the last output's buffer
+        input_output_aliases={len(jax.tree_util.tree_leaves(operands)): len(out_shape) - 1},
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*operands, jnp.zeros((batch, kvh), jnp.int32))
+    return outs[3:5]
+
+
 def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, config: DecodeConfig,
                   interpret: bool, logits_soft_cap, alibi_slopes, sliding_window, sinks, k_scale,
                   v_scale):
@@ -708,6 +1000,12 @@ def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, con
     """
     batch, num_heads, head_dim = q.shape
     kvh = k_cache.shape[2]
+    if config.persistent_programs:
+        out, lse = persistent_kernel_call(
+            q, k_cache, v_cache, block_tables, context_lens, scale=scale, config=config,
+            interpret=interpret, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+        return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
     outs = decode_kernel_call(
         q, k_cache, v_cache, block_tables, context_lens, scale=scale, config=config,
         interpret=interpret, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
