@@ -275,7 +275,8 @@ def pipeline_summary(shape_name: str, config, result: dict) -> str:
     shape = shape_by_name(shape_name)
     sms = TARGET_DEVICE[1]
     depth, model = min(depths, default=0), kv_ring_depth(config.num_stages)
-    grid = shape.batch * shape.num_kv_heads * config.num_splits
+    grid = shape.num_kv_heads * (config.persistent_programs
+                                 or shape.batch * config.num_splits)
     resident = min(per_sm, grid / sms)
     tile_bytes = 2 * config.block_k * shape.head_dim * shape.cache_itemsize
     in_flight = resident * max(depth, 1) * tile_bytes

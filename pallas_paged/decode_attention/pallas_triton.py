@@ -565,9 +565,9 @@ def _persistent_decode_kernel(
     The sequences' tiles (`tile_range`'s, one split) are laid end to end, sequence 0 first, and
     program ``p`` walks its `balanced_share` of them: one segment per sequence its share meets,
     each segment the tile loop of `attend_tiles`. A segment that is a whole sequence is
-    normalized and stored; the others (a program's first and last) store partial results and
-    count their arrival at the (sequence, kv head), and the last program to arrive merges its
-    parts (`merge_partials_in_program`; `share_owner` says which programs hold them). Sequences
+    normalized and stored; the others (only a share's first and last can be cut) store partial
+    results and count their arrival at the (sequence, kv head), and the last program to arrive
+    merges its parts (`merge_partials_in_program`; `share_owner` says which programs hold them). Sequences
     without tiles (``n == 0``) get zeros and ``lse = -inf`` from program ``b % num_programs``.
     """
     del arrivals_in_ref  # aliased to the arrivals output, which the kernel updates
@@ -600,7 +600,10 @@ def _persistent_decode_kernel(
     def of_sequence(values, b):  # element b of an i32[Bp]
         return jnp.sum(jnp.where(seqs == b, values, 0))
 
-    def segment(b, carry):
+    def segment(b, *, may_be_cut: bool):
+        """Sequence ``b``'s tiles in this program's share: attended, then stored normalized if
+        they are the whole sequence; else (``may_be_cut``: the share's first or last segment)
+        stored as a part, and merged by the last of the sequence's programs to arrive."""
         n = jnp.clip(lens_ref[b], 0, capacity)
         first, tile_first, tile_end = tile_range(n, 0, block_k=block_k, num_splits=1,
                                                  window=window)
@@ -624,6 +627,9 @@ def _persistent_decode_kernel(
         def _store():
             store_normalized(out_ref, lse_ref, (b, h), accs, m, l, sink, present=n > 0,
                              rows=rows, row_ok=row_ok, word_ok=word_ok, part_cols=part_cols)
+
+        if not may_be_cut:
+            return
 
         @pl.when(walked & jnp.logical_not(whole))
         def _store_part():
@@ -654,9 +660,23 @@ def _persistent_decode_kernel(
                                           part_index=part_index, num_parts=parts,
                                           max_parts=num_programs,
                                           parts_per_step=PERSISTENT_MERGE_PARTS_PER_STEP)
+
+    # Only a share's first and last segments can be cut by its boundaries: they are walked
+    # apart, outside the loop of the whole sequences between them, which keeps the parts'
+    # stores and the merge out of that loop (inside it they cost 70 registers per thread).
+    @pl.when(segments >= 1)
+    def _first_segment():
+        segment(b_first, may_be_cut=True)
+
+    def middle(b, carry):
+        segment(b, may_be_cut=False)
         return carry
 
-    jax.lax.fori_loop(b_first, b_first + segments, segment, jnp.int32(0))
+    jax.lax.fori_loop(b_first + 1, b_first + segments - 1, middle, jnp.int32(0))
+
+    @pl.when(segments >= 2)
+    def _last_segment():
+        segment(b_first + segments - 1, may_be_cut=True)
 
     def empty(i, carry):  # sequences with no tiles: zeros, lse -inf
         b = p + i * num_programs
