@@ -32,11 +32,11 @@ SPLIT_CONFIGS = (
     pp.DecodeConfig(block_k=16, num_splits=7),
     pp.DecodeConfig(block_k=16, num_splits=7, merge_in_kernel=True),  # some splits empty
     pp.DecodeConfig(block_k=32, num_splits=2, merge_in_kernel=True),
-    # persistent programs: the batch's tiles dealt to 1, 3 and 7 programs per kv head (shares
-    # that cut sequences, a share inside one sequence, shares of several sequences)
+    # persistent programs: the batch's tiles dealt to 1, 3 and 7 programs per kv head of 2
+    # (shares that cut sequences, a share inside one sequence, shares of several sequences)
     pp.DecodeConfig(block_k=16, persistent_programs=1),
-    pp.DecodeConfig(block_k=16, persistent_programs=3),
-    pp.DecodeConfig(block_k=32, persistent_programs=7),
+    pp.DecodeConfig(block_k=16, persistent_programs=6),
+    pp.DecodeConfig(block_k=32, persistent_programs=15),
 )
 
 
@@ -506,3 +506,19 @@ def test_tuned_h200_fp8_entries_keep_the_pair_layout():
     b8 = _decode_shape(8, 16384, "float8_e4m3fn")
     assert lookup(b8, "NVIDIA H200", 132) == fp8_entries[shape_class(b8)]
     assert lookup(b8, "NVIDIA H200", 132) != get_heuristic_config(b8, 132)
+
+
+def test_tuned_persistent_entries_put_one_wave_of_programs_on_the_device():
+    """Every tuned entry with persistent programs has one split, and its programs fill the
+    device's 132 multiprocessors in one wave of two programs each, the layout measured (the
+    H100's ragged B=64 class), whatever the number of kv heads."""
+    from pallas_paged.decode_attention.configs import TUNED, lookup
+    persistent = [(kind, key, config) for kind, table in TUNED.items()
+                  for key, config in table.items() if config.persistent_programs]
+    assert persistent
+    for kind, key, config in persistent:
+        assert config.num_splits == 1
+        assert config.persistent_programs == 2 * 132, (kind, key)
+    ragged = _decode_shape(64, 8192, "bfloat16")
+    assert lookup(ragged, "NVIDIA H100 80GB HBM3", 132).persistent_programs == 264
+    assert lookup(ragged, "NVIDIA H200", 132).persistent_programs == 0

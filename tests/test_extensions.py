@@ -17,7 +17,7 @@ from test_decode import IMPLS, assert_matches_torch, run_jax
 
 SPLITS = (pp.DecodeConfig(block_k=16, num_splits=1), pp.DecodeConfig(block_k=16, num_splits=3),
           pp.DecodeConfig(block_k=16, num_splits=3, merge_in_kernel=True),
-          pp.DecodeConfig(block_k=16, persistent_programs=3))
+          pp.DecodeConfig(block_k=16, persistent_programs=6))  # 3 per kv head
 
 
 def options(rng, num_heads, which):
@@ -157,7 +157,7 @@ def test_fp8_cache_with_padded_head_dim(rng, impl, path, head_dim):
 def test_fp8_paths_with_every_option(rng, impl, path, merge):
     paged = make_paged(rng, lens=[21, 3, 0], num_heads=4, num_kv_heads=2, block_size=4,
                        dtype="float8_e4m3fn")
-    layout = (dict(persistent_programs=2) if merge == "persistent"
+    layout = (dict(persistent_programs=4) if merge == "persistent"
               else dict(num_splits=3, merge_in_kernel=merge == "merged"))
     config = pp.DecodeConfig(block_k=16, **layout, **FP8_PATHS[path])
     assert_matches_torch(paged, impl, "float8_e4m3fn", k_scale=0.25, v_scale=0.75,
@@ -249,7 +249,7 @@ def test_return_lse_shape_and_values(rng, impl):
     pp.DecodeConfig(block_k=64, num_splits=2, num_warps=2, num_stages=5, fp8_pairs=True),
     pp.DecodeConfig(block_k=128, num_splits=1, num_warps=4, num_stages=5, fp8_pairs=True),
     pp.DecodeConfig(block_k=32, num_splits=3, num_warps=8, fp8_pairs=True, merge_in_kernel=True),
-    pp.DecodeConfig(block_k=64, num_warps=4, num_stages=5, fp8_pairs=True, persistent_programs=3),
+    pp.DecodeConfig(block_k=64, num_warps=4, num_stages=5, fp8_pairs=True, persistent_programs=6),
 ], ids=["bk16_w1", "bk64_w2_st5", "bk128_w4_st5", "bk32_w8_merged", "bk64_w4_st5_p3"])
 @pytest.mark.parametrize("head_dim", [128, 40])
 def test_fp8_pairs_two_words_per_conversion_compiled(rng, monkeypatch, config, head_dim):

@@ -38,13 +38,13 @@ NUM_BLOCKS = BATCH * SHAPE["max_blocks"] + 5
 CAPACITY = SHAPE["max_blocks"] * SHAPE["block_size"]
 
 MERGED = dict(merge_in_kernel=True)
-PERSISTENT = dict(persistent_programs=3)
+PERSISTENT = dict(persistent_programs=6)  # 3 per kv head
 SPLIT_CONFIGS = tuple(C(block_k, splits) for splits in (1, 2, 3, 8) for block_k in (16, 32)) + (
-    C(16, 3, **MERGED), C(32, 8, **MERGED), C(16, **PERSISTENT), C(32, persistent_programs=8))
+    C(16, 3, **MERGED), C(32, 8, **MERGED), C(16, **PERSISTENT), C(32, persistent_programs=16))
 GARBAGE_CONFIGS = (C(16, 1), C(16, 3), C(32, 8), C(32, 8, **MERGED),
                    C(16, **PERSISTENT))  # in SPLIT_CONFIGS
-# 8 splits of 4 tiles: some empty; 8 persistent programs of the batch's 4 x 4 tiles
-EXTREME_CONFIGS = (C(16, 1), C(16, 8), C(16, 8, **MERGED), C(16, persistent_programs=8))
+# 8 splits of 4 tiles: some empty; 8 persistent programs per kv head for the batch's 4 x 4 tiles
+EXTREME_CONFIGS = (C(16, 1), C(16, 8), C(16, 8, **MERGED), C(16, persistent_programs=16))
 DECODE_RUNS = [("xla", None)] + [("pallas", c) for c in SPLIT_CONFIGS]
 GARBAGE_RUNS = [("xla", None)] + [("pallas", c) for c in GARBAGE_CONFIGS]
 EXTREME_RUNS = [("xla", None)] + [("pallas", c) for c in EXTREME_CONFIGS]

@@ -60,11 +60,14 @@ class DecodeConfig:
         tile staged with bank conflicts (Nsight Compute on an H200, docs/BENCHMARKS.md). Replaces
         ``fp8_v_at_load``. No effect on 16-bit caches.
       persistent_programs: 0 (the default) for the grid of one program per (sequence, kv head,
-        split); ``P >= 1`` for ``P`` programs per kv head that deal the tiles of the whole batch
+        split); ``P >= 1`` for persistent programs, ``max(1, P // num_kv_heads)`` per kv head
+        (``P`` in all where the kv heads divide it), that deal the tiles of the whole batch
         among them (`pallas_triton._persistent_decode_kernel`): the sequences' tiles end to end,
         each program a balanced contiguous share, so every program walks the same number of
         tiles (+-1) however the lengths differ, and a sequence cut by a share's boundary is
         merged by the last of its programs to finish (one launch). Needs ``num_splits == 1``.
+        A ragged batch gains (H100, 64 sequences of 1..8192 tokens: 1.12x the heuristic's
+        config with ``P = 264``, two programs per multiprocessor); a uniform one does not.
     """
 
     block_k: int = 64
@@ -188,8 +191,8 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
 
 
 # device kind -> shape class -> config. Measured with `python -m benchmarks.bench --tune` on an
-# NVIDIA H200 (132 SMs), 2026-11-30 (docs/BENCHMARKS.md); only classes where the best candidate
-# beat the heuristic are listed.
+# NVIDIA H200 (132 SMs), 2026-11-30, and later with `benchmarks.decode_anatomy`
+# (docs/BENCHMARKS.md); only classes where the best candidate beat the heuristic are listed.
 TUNED: dict[str, dict[tuple, DecodeConfig]] = {"NVIDIA H200": {
     # fp8 caches: at B=32 the heuristic's config (bk128 st5 fp8_pairs) is the fastest measured.
     # fp8_b8_ctx16384: 72.6 and 73.9 us vs 76.6 and 75.8 us heuristic (bk128 s4 w4 st5 pr1) in two
@@ -206,11 +209,21 @@ TUNED: dict[str, dict[tuple, DecodeConfig]] = {"NVIDIA H200": {
     ("bfloat16", 128, 4, 16, 32, 4096): DecodeConfig(block_k=64, num_splits=1, num_warps=8, num_stages=5),
     # d256_b32_ctx4096: 271.3 us vs 378.7 us heuristic (1.40x)
     ("bfloat16", 256, 4, 16, 32, 4096): DecodeConfig(block_k=64, num_splits=1, num_warps=8, num_stages=2),
-    # ragged_b64_ctx8192 (lengths uniform in 1..8192): 298.5 us vs 369.4 us heuristic (1.24x)
+    # ragged_b64_ctx8192 (lengths uniform in 1..8192): 298.5 us vs 369.4 us heuristic (1.24x).
+    # Persistent programs (bk64 s1 w4 st5 p33) took 269.6 us against this entry's 301.0 us on
+    # 2026-12-05; not entered until its uniform class-mate b64_ctx8192 is measured here too
     ("bfloat16", 128, 4, 16, 64, 8192): DecodeConfig(block_k=128, num_splits=2, num_warps=4, num_stages=2),
     # mha_b32_ctx4096: 518.2 us vs 534.9 us heuristic (1.03x); 3 stages 493.1 us vs 499.2 us
     # with 2 in one run, 2026-12-02 (`python -m benchmarks.decode_anatomy`)
     ("bfloat16", 128, 1, 16, 32, 4096): DecodeConfig(block_k=128, num_splits=1, num_warps=4, num_stages=3),
+}, "NVIDIA H100 80GB HBM3": {
+    # ragged_b64_ctx8192: persistent programs (264, dealing the batch's tiles), 389.4 us vs
+    # 437.5 us heuristic (bk64 s1 w4 st2; 1.12x) and 407.5-410.1 us for the H200's entry (bk128
+    # s2), within 1% of the Mosaic kernel's persistent CTAs (386.4-388.0 us); its uniform
+    # class-mate b64_ctx8192 727.2-744.5 us vs 733.2-738.8 us; 2026-12-05, four runs of
+    # `python -m benchmarks.decode_anatomy` / `benchmarks.bench` (docs/BENCHMARKS.md)
+    ("bfloat16", 128, 4, 16, 64, 8192): DecodeConfig(block_k=64, num_warps=4, num_stages=5,
+                                                      persistent_programs=264),
 }}
 
 

@@ -955,7 +955,8 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
 def persistent_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                            config: DecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
                            sliding_window, sinks, k_scale, v_scale):
-    """`_persistent_decode_kernel` over the grid ``(num_kv_heads, config.persistent_programs)``.
+    """`_persistent_decode_kernel` over the grid ``(num_kv_heads, P)``: ``P = max(1,
+    config.persistent_programs // num_kv_heads)`` programs per kv head.
 
     Arguments as `decode_pallas`.
 
@@ -965,7 +966,7 @@ def persistent_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, s
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, kvh, _ = k_cache.shape
     group = num_heads // kvh
-    programs = config.persistent_programs
+    programs = max(1, config.persistent_programs // kvh)  # per kv head
     fp8_pairs = uses_fp8_pairs(config.fp8_pairs, k_cache.dtype, head_dim)
     fp8_v_at_load = (config.fp8_v_at_load and jnp.dtype(k_cache.dtype).itemsize == 1
                      and not fp8_pairs)
