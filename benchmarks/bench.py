@@ -424,12 +424,15 @@ def _tile_bytes(block_k: int, shape: DecodeBenchShape, stages: int) -> int:
         1, kv_ring_depth(stages))
 
 
-def tune_stage1(shape: DecodeBenchShape, base: DecodeConfig, heuristic: DecodeConfig) -> list:
+def tune_stage1(shape: DecodeBenchShape, base: DecodeConfig, heuristic: DecodeConfig,
+                persistent_programs: int = 0) -> list:
     """block_k x num_splits around the heuristic, the base config's warps, at K/V rings one and
     two tiles deep (2 and 5 stages, `pallas_triton.kv_ring_depth`): the split count and the ring
     depth win together (on the H200 at B=32, ctx=4096, bf16, the tune of 2026-11-30, rings one
     tile deep, kept 2 splits; 1 split with rings two deep then ran 1.04x faster, 1.05x with 8
-    warps, docs/BENCHMARKS.md)."""
+    warps, docs/BENCHMARKS.md). With ``persistent_programs`` also that many persistent programs
+    (`DecodeConfig.persistent_programs`) with 64- and 128-token tiles at rings two tiles deep (the
+    ragged B=64 batch's best, 2026-12-05)."""
     eff_len = min(shape.capacity, shape.sliding_window or shape.capacity)
     stages = (base.num_stages, 5 if kv_ring_depth(base.num_stages) < 2 else 2)
     out = []
@@ -446,7 +449,11 @@ def tune_stage1(shape: DecodeBenchShape, base: DecodeConfig, heuristic: DecodeCo
                     continue
                 out.append(dataclasses.replace(base, block_k=block_k, num_splits=splits,
                                                num_stages=num_stages))
-    return out
+    if persistent_programs:
+        out += [dataclasses.replace(base, block_k=block_k, num_splits=1, num_stages=5,
+                                    merge_in_kernel=False, persistent_programs=persistent_programs)
+                for block_k in (64, 128) if _tile_bytes(block_k, shape, 5) <= SMEM_BYTES]
+    return list(dict.fromkeys(out))
 
 
 # The fp8 operand paths stage 2 tries: the V tile converted in the dot operand's read, at load
@@ -786,7 +793,8 @@ class ShapeBench:
             return sorted((c for c in tried if good(c)), key=lambda c: tried[c]["median_us"])
 
         print(f"  tuning {shape.name}: up to {budget} candidates", flush=True)
-        run_stage(tune_stage1(shape, default_cfg, heuristic))
+        run_stage(tune_stage1(shape, default_cfg, heuristic,
+                              configs.PERSISTENT_PROGRAMS_PER_SM * self.sms))
         if ranked():
             run_stage(tune_stage2(shape, ranked()[0]))
         if ranked():

@@ -199,10 +199,14 @@ def test_jax_paged_attention_configs_are_valid(shape):
 @pytest.mark.parametrize("shape", ALL_SHAPES, ids=lambda s: s.name)
 def test_tune_candidates_are_bounded(shape):
     default = DecodeConfig(block_k=64, num_splits=4, num_warps=4, num_stages=2)
-    stage1 = bench.tune_stage1(shape, default, default)
+    stage1 = bench.tune_stage1(shape, default, default, persistent_programs=264)
     stage2 = bench.tune_stage2(shape, stage1[0])
     stage3 = bench.tune_stage3(stage1, stage2[0])
-    assert len(stage1) <= 24 and len(stage2) <= (30 if shape.cache_itemsize == 1 else 10)
+    assert len(stage1) <= 26 and len(stage2) <= (30 if shape.cache_itemsize == 1 else 10)
+    persistent = [c for c in stage1 if c.persistent_programs]
+    assert persistent and all(c.persistent_programs == 264 and c.num_splits == 1
+                              for c in persistent)
+    assert not any(c.persistent_programs for c in bench.tune_stage1(shape, default, default))
     # stage 1 at rings one and two tiles deep, wherever the tiles fit
     assert {kv_ring_depth(c.num_stages) for c in stage1} == {1, 2}
     assert len(stage3) <= 3

@@ -120,6 +120,13 @@ FP8_PROGRAMS_PER_SM = 3
 FP8_SMALL_PROGRAMS_PER_SM = 5
 
 
+# Persistent programs per multiprocessor that `benchmarks.bench --tune` tries
+# (`DecodeConfig.persistent_programs` = this x the SM count): the ragged B=64 batch on an H100 ran
+# as fast with two (389.4 us) as with three (389.7 us) per multiprocessor, and slower in two waves
+# (419.6 us), 2026-12-05 (docs/BENCHMARKS.md).
+PERSISTENT_PROGRAMS_PER_SM = 2
+
+
 def _wave_fill(programs: int, slots: int) -> float:
     """How full the waves of ``programs`` equal programs are when ``slots`` run at once: 1.0 for
     one wave (whatever its size: a partial wave of several programs per multiprocessor still
