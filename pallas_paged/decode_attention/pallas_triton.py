@@ -15,9 +15,15 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
    partial ``(o, m, l)`` results with a second, small kernel (`merge_splits_pallas`, the Pallas
    form of `_merge_splits`, which the Mosaic GPU path keeps), or, with
    ``DecodeConfig.merge_in_kernel``, inside the kernel: each split counts its arrival with an
-   atomic add, and the last to arrive merges (`merge_partials_in_program`): one launch.
-3. `decode` (in ``api.py``) validates, resolves the scale and the config, and dispatches to this
-   kernel or to the plain-XLA path (``xla.py``).
+   atomic add, and the last to arrive merges (`merge_partials_in_program`): one launch. The
+   tile loop (`attend_tiles`), the query load and the normalized store are shared with:
+3. `_persistent_decode_kernel` (``DecodeConfig.persistent_programs``, `persistent_kernel_call`):
+   a fixed number of programs per kv head deal the whole batch's tiles among them in balanced
+   contiguous shares (`balanced_share`), walking one segment per sequence their share meets; a
+   sequence cut by share boundaries is merged by the last of its programs to arrive
+   (`share_owner` finds them). Every program walks as many tiles however ragged the lengths.
+4. `decode` (in ``api.py``) validates, resolves the scale and the config, and dispatches to these
+   kernels or to the plain-XLA path (``xla.py``).
 
 Safety, by construction rather than by validation (values cannot raise under jit):
 
