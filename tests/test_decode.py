@@ -344,24 +344,31 @@ def test_pallas_impl_lowers_to_the_triton_kernel():
     assert "pallas_paged_decode" in text
 
 
-@pytest.mark.parametrize("config", [None, pp.DecodeConfig(block_k=32, num_splits=2)], ids=str)
+@pytest.mark.parametrize("config", [None, pp.DecodeConfig(block_k=32, num_splits=2),
+                                    pp.DecodeConfig(block_k=32, num_splits=2, merge_in_kernel=True),
+                                    pp.DecodeConfig(block_k=32, persistent_programs=4)], ids=str)
 @pytest.mark.parametrize("fp8_cache", [False, True])
 def test_the_triton_decode_launches_its_kernels_alone(fp8_cache, config):
     """Lowered for CUDA, decode(impl="pallas") is its kernels (the decode kernel, and the merge
     kernel with splits) and views of its operands, nothing XLA computes itself: each such op is
-    one more launch per call on a GPU (stacking the two fp8 scales into one operand was one)."""
+    one more launch per call on a GPU (stacking the two fp8 scales into one operand was one).
+    The one-launch layouts (the merge in the kernel, persistent programs) add the zeros their
+    arrival counts start from, and nothing else."""
     options = dict(k_scale=0.5, v_scale=0.25, cache_dtype=jnp.float8_e4m3fn) if fp8_cache else {}
     text = _lowered_text("cuda", "pallas", config=config, **options)
-    assert launched_ops(text) == set()
-    assert text.count("stablehlo.custom_call") == (1 if config is None else 2)
+    one_launch = config is not None and (config.merge_in_kernel or config.persistent_programs)
+    assert launched_ops(text) == ({"broadcast_in_dim"} if one_launch else set())
+    assert text.count("stablehlo.custom_call") == (2 if config is not None and config.num_splits > 1
+                                                   and not config.merge_in_kernel else 1)
 
 
 @pytest.mark.parametrize("q_dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("fp8_cache", [False, True])
 @pytest.mark.parametrize("config", [None, pp.DecodeConfig(block_k=32, num_splits=2),
                                     pp.DecodeConfig(block_k=32, num_splits=2, fp8_pairs=True),
-                                    pp.DecodeConfig(block_k=16, fp8_v_at_load=True)],
-                         ids=["default", "plain", "fp8_pairs", "fp8_v_at_load"])
+                                    pp.DecodeConfig(block_k=16, fp8_v_at_load=True),
+                                    pp.DecodeConfig(block_k=32, persistent_programs=4)],
+                         ids=["default", "plain", "fp8_pairs", "fp8_v_at_load", "persistent"])
 def test_triton_kernel_lowers_for_every_dtype(q_dtype, fp8_cache, config):
     """Lowered for CUDA, Triton's own lowering checks what interpret mode lets through (a dot of
     an fp32 and an fp16 operand, say): every query dtype, with its own cache dtype or an fp8
