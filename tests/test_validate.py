@@ -100,10 +100,21 @@ def test_unknown_impl_and_bad_config(paged):
                                          ("num_warps", 3), ("num_stages", 0), ("block_k", True),
                                          ("merge_in_kernel", 1), ("merge_in_kernel", "yes"),
                                          ("fp8_v_at_load", 1), ("fp8_v_at_load", None),
-                                         ("fp8_pairs", 1), ("fp8_pairs", "yes")])
+                                         ("fp8_pairs", 1), ("fp8_pairs", "yes"),
+                                         ("persistent_programs", -1),
+                                         ("persistent_programs", True),
+                                         ("persistent_programs", 2.0)])
 def test_config_rejects_bad_knobs(field, value):
     with pytest.raises(ValueError, match=f"DecodeConfig.{field}"):
         pp.DecodeConfig(**{field: value})
+
+
+def test_config_refuses_persistent_programs_with_splits():
+    """Persistent programs deal whole sequences: a split count besides them is refused, naming
+    both values."""
+    with pytest.raises(ValueError, match=r"persistent_programs=8 .* num_splits=1, not 2"):
+        pp.DecodeConfig(num_splits=2, persistent_programs=8)
+    assert pp.DecodeConfig(persistent_programs=8).num_splits == 1
 
 
 def test_config_is_hashable_and_frozen():
