@@ -755,10 +755,10 @@ def merge_partials_in_program(o_ref, m_ref, l_ref, sinks_ref, out_ref, lse_ref, 
     h, j)`` for the splits of `_paged_decode_kernel`. The maxima and sums of all parts are loaded
     at once; the weighted partial outputs in chunks of parts (``MERGE_CHUNK_ELEMENTS`` at a time,
     or ``parts_per_step`` parts where the row usually has few: the chunk's registers count
-    toward the whole kernel's), independent loads that the loop can keep in flight. Partials are read with volatile loads
-    (from L2, where other multiprocessors' stores are), never from a stale L1 line: the partials
-    of small rows share cache lines with their neighbours', which an earlier merge on the same
-    multiprocessor read.
+    toward the whole kernel's), independent loads that the loop can keep in flight. Partials
+    are read with volatile loads (from L2, where other multiprocessors' stores are), never from
+    a stale L1 line: the partials of small rows share cache lines with their neighbours', which
+    an earlier merge on the same multiprocessor read.
     """
     group, head_dim = out_ref.shape[2], out_ref.shape[3]
     padded_parts = next_power_of_2(max_parts)
@@ -894,6 +894,47 @@ def merge_splits_pallas(o, m, l, lens, sinks, *, out_dtype, interpret: bool):
     )(lens, o, m, l, sinks)
 
 
+def kernel_statics(q, k_cache, config: DecodeConfig) -> dict:
+    """The static arguments both Triton decode kernels take for one call (besides scale and the
+    options): the block size, the tile, the padded group and head dims, the dots' dtype and the
+    fp8 layout (``fp8_pairs`` where `uses_fp8_pairs`, else ``fp8_v_at_load`` for fp8 caches)."""
+    _, num_heads, head_dim = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    fp8_pairs = uses_fp8_pairs(config.fp8_pairs, k_cache.dtype, head_dim)
+    return dict(block_size=block_size, block_k=config.block_k,
+                padded_group=max(MIN_DOT_ROWS, next_power_of_2(num_heads // kvh)),
+                padded_dim=max(16, next_power_of_2(head_dim)),
+                compute_dtype=dot_dtype(q.dtype, k_cache.dtype),
+                fp8_v_at_load=(config.fp8_v_at_load and jnp.dtype(k_cache.dtype).itemsize == 1
+                               and not fp8_pairs),
+                fp8_pairs=fp8_pairs)
+
+
+def kernel_operands(q, k_cache, v_cache, block_tables, context_lens, alibi_slopes, sinks, k_scale,
+                    v_scale, *, fp8_pairs: bool) -> tuple:
+    """Both kernels' operands in their refs' order: lengths and tables as int32, the queries per
+    kv head ``[batch, kvh, group, head_dim]``, the caches `slot_major`, ALiBi slopes and sinks per
+    kv head ``[kvh, group]`` (or None), the fp8 scales (`kernel_scale_operands`)."""
+    batch, num_heads, head_dim = q.shape
+    kvh = k_cache.shape[2]
+    per_head = lambda x: None if x is None else x.reshape(kvh, num_heads // kvh)  # noqa: E731
+    return (context_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
+            q.reshape(batch, kvh, num_heads // kvh, head_dim),
+            slot_major(k_cache, fp8_pairs=fp8_pairs), slot_major(v_cache, fp8_pairs=fp8_pairs),
+            per_head(alibi_slopes), per_head(sinks), *kernel_scale_operands(k_scale, v_scale))
+
+
+def kernel_name(grid: str, statics: dict, q, k_cache, *, merged: bool = False) -> str:
+    """``pallas_paged_decode_bk64_<grid>_g4_d128_bs16[_merged][_vload][_pairs]``: a kernel's name
+    in profiles, ``grid`` its grid's part (``s2`` splits, ``p33`` persistent programs per kv
+    head)."""
+    group, head_dim = q.shape[1] // k_cache.shape[2], q.shape[2]
+    return (f"pallas_paged_decode_bk{statics['block_k']}_{grid}_g{group}_d{head_dim}"
+            f"_bs{statics['block_size']}" + ("_merged" if merged else "")
+            + ("_vload" if statics["fp8_v_at_load"] else "")
+            + ("_pairs" if statics["fp8_pairs"] else ""))
+
+
 def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                        config: DecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
                        sliding_window, sinks, k_scale, v_scale):
@@ -908,23 +949,14 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
       `_merge_splits` combines.
     """
     batch, num_heads, head_dim = q.shape
-    num_blocks, block_size, kvh, _ = k_cache.shape
+    kvh = k_cache.shape[2]
     group = num_heads // kvh
     splits = config.num_splits
     merge_in_kernel = config.merge_in_kernel and splits > 1
-    fp8_pairs = uses_fp8_pairs(config.fp8_pairs, k_cache.dtype, head_dim)
-    fp8_v_at_load = (config.fp8_v_at_load and jnp.dtype(k_cache.dtype).itemsize == 1
-                     and not fp8_pairs)
-    padded_group = max(MIN_DOT_ROWS, next_power_of_2(group))
-    padded_dim = max(16, next_power_of_2(head_dim))
-    compute_dtype = dot_dtype(q.dtype, k_cache.dtype)
-    per_head = lambda x: None if x is None else x.reshape(kvh, group)  # noqa: E731
+    statics = kernel_statics(q, k_cache, config)
     kernel = functools.partial(
-        _paged_decode_kernel, scale=scale, block_size=block_size, block_k=config.block_k,
-        num_splits=splits, padded_group=padded_group, padded_dim=padded_dim,
-        compute_dtype=compute_dtype, soft_cap=logits_soft_cap, window=sliding_window,
-        merge_in_kernel=merge_in_kernel, fp8_v_at_load=fp8_v_at_load, fp8_pairs=fp8_pairs,
-        interpret=interpret)
+        _paged_decode_kernel, scale=scale, num_splits=splits, soft_cap=logits_soft_cap,
+        window=sliding_window, merge_in_kernel=merge_in_kernel, interpret=interpret, **statics)
     finals = (jax.ShapeDtypeStruct((batch, kvh, group, head_dim), q.dtype),
               jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32))
     out_shape = finals
@@ -934,17 +966,13 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
                      jax.ShapeDtypeStruct((batch, kvh, splits, group), jnp.float32))
         if merge_in_kernel:
             out_shape += finals + (jax.ShapeDtypeStruct((batch, kvh), jnp.int32),)
-    operands = (context_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
-                q.reshape(batch, kvh, group, head_dim), slot_major(k_cache, fp8_pairs=fp8_pairs),
-                slot_major(v_cache, fp8_pairs=fp8_pairs), per_head(alibi_slopes),
-                per_head(sinks), *kernel_scale_operands(k_scale, v_scale))
+    operands = kernel_operands(q, k_cache, v_cache, block_tables, context_lens, alibi_slopes,
+                               sinks, k_scale, v_scale, fp8_pairs=statics["fp8_pairs"])
     # merge_in_kernel: the arrival counts start at zero and live in the last output's buffer.
     arrivals = jnp.zeros((batch, kvh), jnp.int32) if merge_in_kernel else None
     aliases = {len(jax.tree_util.tree_leaves(operands)): len(out_shape) - 1} if merge_in_kernel \
         else {}
-    name = (f"pallas_paged_decode_bk{config.block_k}_s{splits}_g{group}_d{head_dim}"
-            f"_bs{block_size}" + ("_merged" if merge_in_kernel else "")
-            + ("_vload" if fp8_v_at_load else "") + ("_pairs" if fp8_pairs else ""))
+    name = kernel_name(f"s{splits}", statics, q, k_cache, merged=merge_in_kernel)
     outs = pl.pallas_call(
         kernel,
         grid=(batch, kvh, splits),
@@ -970,34 +998,23 @@ def persistent_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, s
       ``(out [batch, kvh, group, head_dim] in q.dtype, lse f32[batch, kvh, group])``.
     """
     batch, num_heads, head_dim = q.shape
-    num_blocks, block_size, kvh, _ = k_cache.shape
+    kvh = k_cache.shape[2]
     group = num_heads // kvh
     programs = max(1, config.persistent_programs // kvh)  # per kv head
-    fp8_pairs = uses_fp8_pairs(config.fp8_pairs, k_cache.dtype, head_dim)
-    fp8_v_at_load = (config.fp8_v_at_load and jnp.dtype(k_cache.dtype).itemsize == 1
-                     and not fp8_pairs)
+    statics = kernel_statics(q, k_cache, config)
     kernel = functools.partial(
-        _persistent_decode_kernel, scale=scale, block_size=block_size, block_k=config.block_k,
-        num_programs=programs, padded_batch=next_power_of_2(batch),
-        padded_group=max(MIN_DOT_ROWS, next_power_of_2(group)),
-        padded_dim=max(16, next_power_of_2(head_dim)), compute_dtype=dot_dtype(q.dtype,
-                                                                              k_cache.dtype),
-        soft_cap=logits_soft_cap, window=sliding_window, fp8_v_at_load=fp8_v_at_load,
-        fp8_pairs=fp8_pairs, interpret=interpret)
-    per_head = lambda x: None if x is None else x.reshape(kvh, group)  # noqa: E731
+        _persistent_decode_kernel, scale=scale, num_programs=programs,
+        padded_batch=next_power_of_2(batch), soft_cap=logits_soft_cap, window=sliding_window,
+        interpret=interpret, **statics)
     out_shape = (jax.ShapeDtypeStruct((kvh, 2 * programs, group, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((kvh, 2 * programs, group), jnp.float32),
                  jax.ShapeDtypeStruct((kvh, 2 * programs, group), jnp.float32),
                  jax.ShapeDtypeStruct((batch, kvh, group, head_dim), q.dtype),
                  jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32),
                  jax.ShapeDtypeStruct((batch, kvh), jnp.int32))
-    operands = (context_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
-                q.reshape(batch, kvh, group, head_dim), slot_major(k_cache, fp8_pairs=fp8_pairs),
-                slot_major(v_cache, fp8_pairs=fp8_pairs), per_head(alibi_slopes),
-                per_head(sinks), *kernel_scale_operands(k_scale, v_scale))
-    name = (f"pallas_paged_decode_bk{config.block_k}_p{programs}_g{group}_d{head_dim}"
-            f"_bs{block_size}" + ("_vload" if fp8_v_at_load else "")
-            + ("_pairs" if fp8_pairs else ""))
+    operands = kernel_operands(q, k_cache, v_cache, block_tables, context_lens, alibi_slopes,
+                               sinks, k_scale, v_scale, fp8_pairs=statics["fp8_pairs"])
+    name = kernel_name(f"p{programs}", statics, q, k_cache)
     outs = pl.pallas_call(
         kernel,
         grid=(kvh, programs),
