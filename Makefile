@@ -17,14 +17,21 @@ EXTRAS = test$(if $(JAX_EXTRA),$(comma)$(JAX_EXTRA),)
 comma := ,
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.pallas-paged-installed
+# Installs survive a flaky network: a download cut off midway resumes (PIP_RESUME_RETRIES, which pip
+# releases before 25.1 ignore), and an install that still fails is run again, three tries in all.
+# (Where no local wheel exists, e.g. torch on Python 3.12, pip fetches GBs of CUDA wheels from PyPI.)
+export PIP_RESUME_RETRIES ?= 20
+PIP_INSTALL = $(BIN)/python -m pip install -q
+retry = for try in 1 2 3; do $(1) && break; [ $$try -lt 3 ] || exit 1; \
+	echo "install failed (try $$try of 3), retrying in 30 s: $(1)"; sleep 30; done
 
 .PHONY: parity test bench clean-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]" $(JAX_SPEC)
+	$(call retry,$(PIP_INSTALL) --upgrade pip)
+	$(call retry,$(PIP_INSTALL) "$(TORCH_SPEC)")
+	$(call retry,$(PIP_INSTALL) -e ".[$(EXTRAS)]" $(JAX_SPEC))
 	touch $@
 
 parity: $(STAMP)
