@@ -145,6 +145,17 @@ def smoke_settings(base: Settings) -> Settings:
                                max_tune_configs=3, max_copies=2)
 
 
+def tool_setup(smoke: bool, copy_bytes: int = 1 << 30) -> tuple[Settings, bool, dict]:
+    """A single-purpose timing tool's settings, interpret mode and copy bandwidth (measured over
+    ``copy_bytes``, printed): default settings on the device, or (``smoke``) tiny settings in
+    interpret mode over a 1 MiB copy."""
+    s = smoke_settings(Settings()) if smoke else Settings()
+    interpret = smoke or jax.devices()[0].platform != "gpu"
+    copy = measure_copy_bandwidth(1 << 20 if smoke else copy_bytes, s)
+    print(f"copy bandwidth {copy['tbps']:.3f} TB/s ({copy['source']})", flush=True)
+    return s, interpret, copy
+
+
 # ----------------------------------------------------------------------------------------------
 # Helpers (the timer and the copy bandwidth are `benchmarks.timing`'s)
 

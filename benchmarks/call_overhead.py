@@ -29,9 +29,9 @@ import numpy as np
 
 import pallas_paged as pp
 from benchmarks.bench import (ROTATE_BYTES, Settings, abstract_args, compare, config_label,
-                              parse_decode_config, per_call, smoke_settings)
+                              parse_decode_config, per_call, tool_setup)
 from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
-from benchmarks.timing import describe_error, jsonable, measure, measure_copy_bandwidth
+from benchmarks.timing import describe_error, jsonable, measure
 from pallas_paged.decode_attention.api import picked_config
 
 SHAPES = ("b32_ctx4096", "mha_b32_ctx4096")
@@ -132,13 +132,10 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes in interpret mode (the plumbing, not the speed)")
     args = parser.parse_args(argv)
-    s = smoke_settings(Settings()) if args.smoke else Settings()
     names = args.shapes.split(",") if args.shapes else (SMOKE_SHAPES if args.smoke else SHAPES)
     contexts = ([int(c) for c in args.contexts.split(",")] if args.contexts
                 else (SMOKE_CONTEXTS if args.smoke else CONTEXTS))
-    interpret = args.smoke or jax.devices()[0].platform != "gpu"
-    copy = measure_copy_bandwidth(1 << 30 if not args.smoke else 1 << 20, s)
-    print(f"copy bandwidth {copy['tbps']:.3f} TB/s ({copy['source']})", flush=True)
+    s, interpret, copy = tool_setup(args.smoke)
     results = [run_shape(name, contexts, args.config or {}, s, copy["tbps"], interpret)
                for name in names]
     if args.json:

@@ -59,9 +59,9 @@ from jax.experimental.pallas import triton as plgpu
 
 import pallas_paged as pp
 from benchmarks.bench import (ROTATE_BYTES, Settings, compare, config_label, parse_decode_config,
-                              per_call, smoke_settings)
+                              per_call, tool_setup)
 from benchmarks.timing import (describe_error, jsonable, kernel_variant, libdevice_exp_variant,
-                               measure, measure_copy_bandwidth)
+                               measure)
 from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
 from pallas_paged.decode_attention import pallas_triton as decode_triton
 from pallas_paged.decode_attention.api import picked_config
@@ -412,11 +412,8 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes in interpret mode (the plumbing, not the speed)")
     args = parser.parse_args(argv)
-    s = smoke_settings(Settings()) if args.smoke else Settings()
     names = args.shapes.split(",") if args.shapes else (SMOKE_SHAPES if args.smoke else SHAPES)
-    interpret = args.smoke or jax.devices()[0].platform != "gpu"
-    copy = measure_copy_bandwidth(1 << 30 if not args.smoke else 1 << 20, s)
-    print(f"copy bandwidth {copy['tbps']:.3f} TB/s ({copy['source']})", flush=True)
+    s, interpret, copy = tool_setup(args.smoke)
     rows = []
     for name in names:
         with_configs = args.configs is None or name in args.configs.split(",")
