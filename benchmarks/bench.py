@@ -25,10 +25,13 @@ Method:
   copy (when torch sees the GPU) and a jitted JAX copy and bitwise-not (which XLA cannot elide),
   bytes read + written over the median time, the largest of them; measured at the start (the
   reference of every fraction) and again at the end (a drift check).
-- Timing: compilation, a correctness call and ~30 ms of warm-up calls outside the clock; then
-  ``--repeats`` windows, each ``N`` back-to-back calls followed by ``block_until_ready``, ``N``
-  chosen so a window lasts about ``--window-ms``; the median over windows of window time /
-  (``N`` * operations per call).
+- Timing (`benchmarks.timing.measure`): compilation, a correctness call and ~0.2 s of warm-up
+  calls outside the clock; then ``--repeats`` windows, each two batches of back-to-back calls from
+  an idle device, ``N`` and ``2N`` (each followed by ``block_until_ready``; the longer one about
+  ``--window-ms`` long); the median over windows of the batches' time difference / (``N`` *
+  operations per call): the steady time of a call among back-to-back calls, without what a batch
+  pays once (the first dispatch's enqueue, the final wait). ``batch_median_us`` in the JSON: the
+  longer batches' own time per operation, that fixed cost included.
 - Small problems (K/V read per call < 4x the 60 MB L2) rotate among several copies of their inputs
   (own queries, own physical blocks in one shared cache), so no call re-reads what the previous
   one left in L2. To keep host dispatch (~10 us) out of such short kernels, one jitted call then
@@ -530,7 +533,7 @@ class ShapeBench:
     def _add_timing(self, row: dict, t: Timing, nbytes: float, rw_bytes: float | None = None):
         row.update(median_us=t.median_us, min_us=t.min_us, max_us=t.max_us,
                    windows_us=t.windows_us, calls_per_window=t.calls_per_window,
-                   ops_per_call=t.ops_per_call, bytes=nbytes,
+                   ops_per_call=t.ops_per_call, batch_median_us=t.batch_median_us, bytes=nbytes,
                    tbps=nbytes / (t.median_us * 1e-6) / 1e12)
         row["frac_copy_bw"] = row["tbps"] / self.copy_tbps
         if rw_bytes is not None:

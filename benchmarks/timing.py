@@ -1,7 +1,8 @@
 """The benchmarks' one timer, one copy-bandwidth measurement and one JSON sanitizer.
 
-- `measure`: warm-up batches, then ``windows`` timed windows of back-to-back calls, each closed by
-  one synchronization; the median over windows of window time / (calls * operations per call).
+- `measure`: warm-up batches, then ``windows`` timed windows, each two batches of back-to-back
+  calls (N and 2N, each closed by one synchronization); the median over windows of the batches'
+  time difference / (N * operations per call): the steady time of a call among others.
 - `measure_copy_bandwidth`: the device's streaming ceiling (bytes read + written per second), the
   reference every benchmark figure is a fraction of. Measured every way the device allows in the
   same run: torch's device-to-device copy (when torch sees a CUDA GPU and one device is asked for)
@@ -31,22 +32,23 @@ class TimerSettings:
     """How `measure` times a call (``benchmarks.bench.Settings`` carries the same fields)."""
 
     windows: int = 7           # timed windows (the median is reported)
-    window_s: float = 0.010    # target duration of one window
+    window_s: float = 0.010    # target duration of a window's longer batch
     # untimed calls before the windows: 0.03 s left the first three windows of fp8_b8_ctx16384
     # 25-40% slow in two H200 runs (2026-12-02), as if the device were still warming up
     warmup_s: float = 0.2
-    min_calls: int = 3         # calls per window, at least
-    max_calls: int = 2000      # calls per window (and per warm-up batch), at most
+    min_calls: int = 3         # calls of a window's shorter batch, at least
+    max_calls: int = 2000      # calls per batch (warm-up included), at most
 
 
 @dataclasses.dataclass
 class Timing:
-    median_us: float
+    median_us: float      # steady time per operation: the median of the windows' differences
     min_us: float
     max_us: float
     windows_us: list
-    calls_per_window: int
+    calls_per_window: int  # calls of the shorter batch of a window (the longer has twice as many)
     ops_per_call: int
+    batch_median_us: float  # the longer batches' own time per operation (start and wait included)
 
 
 def measure(step, ops_per_call: int, s, sync=jax.block_until_ready) -> Timing:
@@ -54,9 +56,17 @@ def measure(step, ops_per_call: int, s, sync=jax.block_until_ready) -> Timing:
 
     Warm-up: batches of 1, 2, 4, ... calls until ``s.warmup_s`` has passed (clocks up, allocator
     and caches warm; compile before calling this); the last batch estimates the time per call,
-    which sets the calls per window (``s.window_s`` long, within ``[s.min_calls, s.max_calls]``).
-    Only the last output of a batch is waited for: calls on one device run in order, and earlier
-    outputs may already be donated (writes).
+    which sets the calls per batch. Each of ``s.windows`` windows then times two batches of
+    back-to-back calls from an idle device, ``N`` calls and ``2N`` (the longer one about
+    ``s.window_s`` long; ``N`` within ``[s.min_calls, s.max_calls // 2]``, at least 1), each
+    closed by one synchronization; the window's time per operation is their difference over
+    ``N * ops_per_call``. What a batch pays once, whatever its length, cancels: the host's
+    enqueue of the first dispatch while the device idles, and the wait at the end (for a jitted
+    JAX program of 16 Pallas calls on an H100 about 1 ms per batch, 8% of a 10 ms batch:
+    docs/BENCHMARKS.md, "The timer's fixed cost per batch"). What remains is the steady time of
+    a call among back-to-back calls. ``batch_median_us`` keeps the longer batches' own time per
+    operation (that fixed cost included). Only the last output of a batch is waited for: calls
+    on one device run in order, and earlier outputs may already be donated (writes).
 
     Args:
       step: a function of no argument that dispatches the work once.
@@ -64,32 +74,33 @@ def measure(step, ops_per_call: int, s, sync=jax.block_until_ready) -> Timing:
       s: a `TimerSettings` (or anything with its fields).
       sync: waits for ``step``'s output (``torch.cuda.synchronize`` for torch work).
     """
-    batch, spent = 1, 0.0
-    while True:
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(batch):
-            out = step()
-        sync(out)
-        elapsed = time.perf_counter() - t0
-        spent += elapsed
-        per_call = max(elapsed / batch, 1e-7)
-        if spent >= s.warmup_s or batch >= s.max_calls:
-            break
-        batch *= 2
-    calls = int(min(s.max_calls, max(s.min_calls, math.ceil(s.window_s / per_call))))
-    per_op = []
-    for _ in range(s.windows):
+    def batch_seconds(calls: int) -> float:
         t0 = time.perf_counter()
         out = None
         for _ in range(calls):
             out = step()
         sync(out)
-        per_op.append((time.perf_counter() - t0) / (calls * ops_per_call))
-    us = [t * 1e6 for t in per_op]
-    return Timing(median_us=statistics.median(us), min_us=min(us), max_us=max(us),
-                  windows_us=[round(u, 3) for u in us], calls_per_window=calls,
-                  ops_per_call=ops_per_call)
+        return time.perf_counter() - t0
+
+    batch, spent = 1, 0.0
+    while True:
+        elapsed = batch_seconds(batch)
+        spent += elapsed
+        per_call = max(elapsed / batch, 1e-7)
+        if spent >= s.warmup_s or batch >= s.max_calls:
+            break
+        batch *= 2
+    calls = int(min(s.max_calls // 2, max(s.min_calls, math.ceil(s.window_s / per_call / 2))))
+    calls = max(1, calls)
+    steady, batched = [], []
+    for _ in range(s.windows):
+        short = batch_seconds(calls)
+        long = batch_seconds(2 * calls)
+        steady.append(max(long - short, 1e-9) / (calls * ops_per_call) * 1e6)
+        batched.append(long / (2 * calls * ops_per_call) * 1e6)
+    return Timing(median_us=statistics.median(steady), min_us=min(steady), max_us=max(steady),
+                  windows_us=[round(u, 3) for u in steady], calls_per_window=calls,
+                  ops_per_call=ops_per_call, batch_median_us=statistics.median(batched))
 
 
 def describe_error(e: BaseException) -> str:

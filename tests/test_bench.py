@@ -1213,3 +1213,65 @@ def test_call_overhead_smoke_times_one_config_at_every_length(tmp_path):
     assert [p["context"] for p in shape["points"]] == [32, 64]
     assert all(p["status"] == "ok" and p["rel_err"] < 1e-2 for p in shape["points"])
     assert shape["points"][1]["bytes"] > shape["points"][0]["bytes"]
+
+
+def test_measure_removes_what_a_batch_pays_once():
+    """`timing.measure`'s steady figure is the time of a call among others: a fixed cost paid once
+    per batch (here a 20 ms wait at the batch's end, as a host's first dispatch or a final
+    synchronization costs) cancels, where the batches' own time per call keeps its share."""
+    import time
+
+    from benchmarks.timing import TimerSettings, measure
+
+    s = TimerSettings(windows=3, window_s=0.04, warmup_s=0.0, min_calls=4, max_calls=64)
+    t = measure(lambda: time.sleep(0.002), 1, s, sync=lambda _: time.sleep(0.02))
+    assert t.median_us == pytest.approx(2000, rel=0.25)  # 2 ms per call; sleeps overshoot a little
+    # the longer batch of N + 20 ms over 2N calls: at least 20 ms / (2 * N) more per call
+    assert t.batch_median_us > t.median_us + 0.8 * 20000 / (2 * t.calls_per_window)
+    assert len(t.windows_us) == 3 and t.min_us <= t.median_us <= t.max_us
+
+
+def test_program_timeline_phases_of_synthetic_stamps():
+    """`program_timeline.call_phases` / `loop_phases`: each phase from known stamps, calls taken in
+    the order they started (not as listed), the timer's 32-bit wrap-around undone."""
+    from benchmarks import program_timeline as ptl
+
+    def call(starts, ends, sms):  # ns -> i32[programs, STAMPS] as the kernel writes them
+        stamps = np.zeros((len(starts), ptl.STAMPS), np.int64)
+        stamps[:, 0], stamps[:, 1], stamps[:, 2] = starts, ends, sms
+        return ((stamps + (1 << 31)) % (1 << 32) - (1 << 31)).astype(np.int32)
+
+    wrap = (1 << 32) - 5_000  # the low word wraps 5 us after the first call starts
+    first = call([wrap, wrap + 1_000, wrap + 2_000], [wrap + 90_000, wrap + 100_000,
+                                                      wrap + 98_000], [0, 1, 1])
+    second = call([wrap + 101_000] * 2, [wrap + 150_000, wrap + 160_000], [2, 3])
+    phases = ptl.loop_phases([second, first])  # listed out of order
+    p = phases[0]
+    assert p["span"] == pytest.approx(100.0) and p["ramp"] == pytest.approx(2.0)
+    assert p["full"] == pytest.approx(90.0) and p["tail"] == pytest.approx(10.0)
+    assert p["gap"] == pytest.approx(1.0) and p["period"] == pytest.approx(101.0)
+    assert (p["duration_min"], p["duration_max"], p["sms"]) == (pytest.approx(90.0),
+                                                              pytest.approx(99.0), 2)
+    assert phases[1]["span"] == pytest.approx(59.0) and phases[1]["gap"] is None
+    assert ptl.median_phases(phases)["gap"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("config", [None, "s2/mk1"])
+def test_program_timeline_smoke_wraps_the_kernel_unchanged(tmp_path, config):
+    """The timed wrapper of the grid kernel gives `decode`'s output (checked against impl="xla"),
+    with one split or several merged in the kernel; a split merged by a second launch and
+    persistent programs are refused with the config in the message."""
+    from benchmarks import program_timeline as ptl
+
+    path = tmp_path / "timeline.json"
+    argv = ["--smoke", "--json", str(path)] + (["--config", config] if config else [])
+    assert ptl.main(argv) == 0
+    [shape] = json.loads(path.read_text())["shapes"]
+    assert shape["status"] == "ok" and shape["rel_err"] < 1e-2
+    assert len(shape["calls"]) >= 1 and shape["median"]["host_us"] > 0
+    inputs = make_decode_inputs(shape_by_name("small_b2_ctx64"), seed=0)
+    args = (inputs.q[0], inputs.k_cache, inputs.v_cache, inputs.block_tables[0],
+            inputs.context_lens)
+    for refused in (DecodeConfig(num_splits=2), DecodeConfig(persistent_programs=4)):
+        with pytest.raises(ValueError, match="config="):
+            ptl.timed_decode(*args, config=refused, interpret=True)

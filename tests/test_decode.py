@@ -518,7 +518,7 @@ def test_tuned_h200_fp8_entries_keep_the_pair_layout():
 def test_tuned_persistent_entries_put_one_wave_of_programs_on_the_device():
     """Every tuned entry with persistent programs has one split, and its programs fill the
     device's 132 multiprocessors in one wave of two programs each, the layout measured (the
-    H100's ragged B=64 class), whatever the number of kv heads."""
+    ragged B=64 class on both devices), whatever the number of kv heads."""
     from pallas_paged.decode_attention.configs import TUNED, lookup
     persistent = [(kind, key, config) for kind, table in TUNED.items()
                   for key, config in table.items() if config.persistent_programs]
@@ -528,4 +528,4 @@ def test_tuned_persistent_entries_put_one_wave_of_programs_on_the_device():
         assert config.persistent_programs == 2 * 132, (kind, key)
     ragged = _decode_shape(64, 8192, "bfloat16")
     assert lookup(ragged, "NVIDIA H100 80GB HBM3", 132).persistent_programs == 264
-    assert lookup(ragged, "NVIDIA H200", 132).persistent_programs == 0
+    assert lookup(ragged, "NVIDIA H200", 132).persistent_programs == 264

@@ -216,10 +216,12 @@ TUNED: dict[str, dict[tuple, DecodeConfig]] = {"NVIDIA H200": {
     ("bfloat16", 128, 4, 16, 32, 4096): DecodeConfig(block_k=64, num_splits=1, num_warps=8, num_stages=5),
     # d256_b32_ctx4096: 271.3 us vs 378.7 us heuristic (1.40x)
     ("bfloat16", 256, 4, 16, 32, 4096): DecodeConfig(block_k=64, num_splits=1, num_warps=8, num_stages=2),
-    # ragged_b64_ctx8192 (lengths uniform in 1..8192): 298.5 us vs 369.4 us heuristic (1.24x).
-    # Persistent programs (bk64 s1 w4 st5 p33) took 269.6 us against this entry's 301.0 us on
-    # 2026-12-05; not entered until its uniform class-mate b64_ctx8192 is measured here too
-    ("bfloat16", 128, 4, 16, 64, 8192): DecodeConfig(block_k=128, num_splits=2, num_warps=4, num_stages=2),
+    # ragged_b64_ctx8192 (lengths uniform in 1..8192): persistent programs (264, dealing the
+    # batch's tiles) 264.1 us vs 286.0 us for bk128 s2 (1.08x; that entry took 298.5 us vs
+    # 369.4 us heuristic); its uniform class-mate b64_ctx8192 486.9 us vs 495.7 us; 2026-12-05,
+    # `python -m benchmarks.decode_anatomy` (269.6 us vs 301.0 us in an earlier run)
+    ("bfloat16", 128, 4, 16, 64, 8192): DecodeConfig(block_k=64, num_warps=4, num_stages=5,
+                                                      persistent_programs=264),
     # mha_b32_ctx4096: 518.2 us vs 534.9 us heuristic (1.03x); 3 stages 493.1 us vs 499.2 us
     # with 2 in one run, 2026-12-02 (`python -m benchmarks.decode_anatomy`)
     ("bfloat16", 128, 1, 16, 32, 4096): DecodeConfig(block_k=128, num_splits=1, num_warps=4, num_stages=3),
@@ -432,9 +434,11 @@ IMPL_CHOICES = ("mosaic", "pallas")
 #   every other class measured Mosaic level or slower (B=1 0.93x, fp8 0.56-0.78x).
 # On 2026-12-05, two runs (docs/BENCHMARKS.md, "Mosaic at head_dim 256, ..."):
 # - head_dim 256, B=32/ctx 4096: 1.027x and 1.034x.
+# On 2026-12-05, night (docs/BENCHMARKS.md, "The timer's fixed cost per batch, ..."): the B=64 /
+# capacity 8192 class left the table: with its persistent-programs `TUNED` entry the Triton
+# kernel is level with Mosaic (ragged 0.99x, uniform 1.00x).
 IMPL_CHOICE: dict[str, dict[tuple, str]] = {"NVIDIA H200": {
     ("bfloat16", 64, 4, 16, 32, 4096): "mosaic",
-    ("bfloat16", 128, 4, 16, 64, 8192): "mosaic",
     ("bfloat16", 256, 4, 16, 32, 4096): "mosaic",
 }}
 
