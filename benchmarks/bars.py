@@ -95,12 +95,29 @@ def judge(docs: list[dict], shapes: list[str]) -> list[dict]:
     return rows
 
 
+COPY_WAYS = ("torch_copy", "copy", "not")  # `timing.measure_copy_bandwidth`'s ways
+
+
 def copy_rates(docs: list[dict]) -> list[float | None]:
     """Each run's copy bandwidth (TB/s), the ceiling of its fractions."""
     return [doc.get("copy_bandwidth", {}).get("tbps") for doc in docs]
 
 
-def format_table(rows: list[dict], copies: list) -> str:
+def copy_ways(docs: list[dict]) -> dict[str, list[float | None]]:
+    """Each way's copy rate (TB/s) per run, measured at the run's start (the ceiling is the
+    largest); only the ways some run measured."""
+    ways = {}
+    for way in COPY_WAYS:
+        rates = [doc.get("copy_bandwidth", {}).get("start", {}).get(way, {}).get("tbps")
+                 for doc in docs]
+        if any(r is not None for r in rates):
+            ways[way] = rates
+    return ways
+
+
+def format_table(rows: list[dict], copies: list, ways: dict | None = None) -> str:
+    """The verdicts as a Markdown table: the ceiling per run (and, given ``ways``, each way's
+    rate that it is the largest of), then every shape's runs, median, range, bar, verdict."""
     def f(x):
         return "-" if x is None else f"{x:.3f}"
     n = max((len(r["runs"]) for r in rows), default=0)
@@ -108,6 +125,8 @@ def format_table(rows: list[dict], copies: list) -> str:
             + " | median | range | bar | verdict |")
     lines = [head, "|---|" + "---:|" * (n + 3) + "---|"]
     lines.append("| copy TB/s | " + " | ".join(f(c) for c in copies) + " | | | | |")
+    for way, rates in (ways or {}).items():
+        lines.append(f"| copy TB/s, {way} | " + " | ".join(f(c) for c in rates) + " | | | | |")
     for r in rows:
         spread = "-" if r["min"] is None else f"{r['min']:.3f}-{r['max']:.3f}"
         lines.append(f"| `{r['shape']}` | " + " | ".join(f(x) for x in r["runs"])
@@ -182,10 +201,11 @@ def main(argv=None) -> int:
         print(f"no bench_<i>.json in {directory}", file=sys.stderr)
         return 1
     rows = judge(docs, shapes)
-    table = format_table(rows, copy_rates(docs))
+    table = format_table(rows, copy_rates(docs), copy_ways(docs))
     print(table)
     with open(os.path.join(directory, "bars.json"), "w") as fh:
-        json.dump({"rows": rows, "copy_tbps": copy_rates(docs), "table": table.splitlines()},
+        json.dump({"rows": rows, "copy_tbps": copy_rates(docs), "copy_ways": copy_ways(docs),
+                   "table": table.splitlines()},
                   fh, indent=1)
     return 0
 
