@@ -3,7 +3,7 @@ a call spends the time that streaming its bytes does not explain (the launch's r
 spread, the tail while the last programs finish, the gap before the next call).
 
 Run ``python -m benchmarks.program_timeline [--shapes b32_ctx4096,mha_b32_ctx4096] [--config
-LABEL] [--json PATH] [--smoke]``. Each shape runs the Triton grid kernel (`pallas_triton.
+LABEL] [--dispatch] [--json PATH] [--smoke]``. Each shape runs the Triton grid kernel (`pallas_triton.
 _paged_decode_kernel`, unchanged) inside a wrapper that also writes, per program, the global
 timer (``%globaltimer_lo``, ns) when it starts and when its last store is done, and the
 multiprocessor it ran on (``%smid``). ``Settings.loop_ops`` calls run back to back in one jitted
@@ -18,6 +18,10 @@ output is checked against ``impl="xla"``. Per call (the medians over the calls a
 - program durations (min / median / max), the time the bytes take at the run's copy bandwidth,
   and `benchmarks.timing.measure`'s time per call of the same loop (its steady figure and its
   whole batches'): the host's timer against the device's.
+
+``--dispatch``: the same calls also launched one per dispatch (each its own jitted program, as
+`benchmarks.bench` times shapes that need no rotation), its timeline and host figure beside the
+loop's (JSON ``dispatch``): whether calls cost the same inside one program and apart.
 
 ``--smoke``: a tiny shape in interpret mode (no timer there: the timestamps are zeros); it checks
 the wrapper's output against ``impl="xla"``, not the timeline. ``--config`` takes
@@ -179,7 +183,10 @@ def median_phases(phases: list) -> dict:
     return merged
 
 
-def run_shape(name: str, fields: dict, s, copy_tbps: float, interpret: bool) -> dict:
+def run_shape(name: str, fields: dict, s, copy_tbps: float, interpret: bool,
+              dispatch: bool = False) -> dict:
+    """One shape's loop (and, with ``dispatch``, the same calls one per dispatch): checked
+    against ``impl="xla"``, then timed on the device's and the host's timers."""
     shape = shape_by_name(name)
     copies = s.copies or rotation_copies(shape, min_bytes=ROTATE_BYTES, max_copies=s.max_copies)
     inputs = make_decode_inputs(shape, seed=s.seed, copies=copies)
@@ -203,24 +210,40 @@ def run_shape(name: str, fields: dict, s, copy_tbps: float, interpret: bool) -> 
     reps = copies * max(1, -(-s.loop_ops // copies))
     qs = per_call(inputs.q, copies, reps)
     tables = [inputs.block_tables[i % copies] for i in range(reps)]
-    run = jax.jit(lambda qs, ts, k, v: tuple(call(qs[i], k, v, ts[i], lens)[1]
-                                             for i in range(reps)))
-    for _ in range(3):  # warm: compiled, clocks up; the last run's timelines are kept
-        timelines = [np.asarray(t) for t in jax.block_until_ready(run(qs, tables, kc, vc))]
-    host = measure(lambda: run(qs, tables, kc, vc), reps, s)  # as the benchmarks time a call
-    phases = loop_phases(timelines)
-    typical = median_phases(phases)
     stream_us = nbytes / (copy_tbps * 1e12) * 1e6
-    typical.update(at_copy_rate=stream_us, host_us=host.median_us,
-                   host_batch_us=host.batch_median_us)
-    print(f"  {reps} calls, medians: period {typical['period'] or 0:.1f} us = span "
-          f"{typical['span']:.1f} + gap {typical['gap'] or 0:.1f}; span = full "
-          f"{typical['full']:.1f} + tail {typical['tail']:.1f}; ramp {typical['ramp']:.1f}; "
-          f"programs {typical['duration_min']:.1f} / {typical['duration_median']:.1f} / "
-          f"{typical['duration_max']:.1f} us (min / median / max) on {typical['sms']:.0f} SMs; "
-          f"the bytes at copy rate {stream_us:.1f} us; the host timer: {host.median_us:.1f} us "
-          f"per call ({host.batch_median_us:.1f} over whole batches)", flush=True)
-    return {**row, "status": "ok", "calls": phases, "median": typical}
+    loop = jax.jit(lambda qs, ts, k, v: tuple(call(qs[i], k, v, ts[i], lens)[1]
+                                              for i in range(reps)))
+    modes = {"loop": (lambda: loop(qs, tables, kc, vc), reps)}
+    if dispatch:
+        one = jax.jit(lambda q, t, k, v: call(q, k, v, t, lens)[1])
+        modes["dispatch"] = (lambda: [one(qs[i], tables[i], kc, vc) for i in range(reps)], 1)
+    result = {**row, "status": "ok"}
+    for mode, (calls, per_dispatch) in modes.items():
+        for _ in range(3):  # warm: compiled, clocks up; the last run's timelines are kept
+            timelines = [np.asarray(t) for t in jax.block_until_ready(calls())]
+        if per_dispatch == 1:  # as `benchmarks.bench` times one call per dispatch
+            host = measure(lambda: one(qs[0], tables[0], kc, vc), 1, s)
+        else:  # as the benchmarks' loop mode times a call
+            host = measure(lambda: loop(qs, tables, kc, vc), reps, s)
+        phases = loop_phases(timelines)
+        typical = median_phases(phases)
+        typical.update(at_copy_rate=stream_us, host_us=host.median_us,
+                       host_batch_us=host.batch_median_us)
+        what = (f"{reps} calls in one program" if per_dispatch > 1
+                else f"{reps} calls, one per dispatch")
+        print(f"  {what}, medians: period {typical['period'] or 0:.1f} us = span "
+              f"{typical['span']:.1f} + gap {typical['gap'] or 0:.1f}; span = full "
+              f"{typical['full']:.1f} + tail {typical['tail']:.1f}; ramp {typical['ramp']:.1f}; "
+              f"programs {typical['duration_min']:.1f} / {typical['duration_median']:.1f} / "
+              f"{typical['duration_max']:.1f} us (min / median / max) on {typical['sms']:.0f} "
+              f"SMs; the bytes at copy rate {stream_us:.1f} us; the host timer: "
+              f"{host.median_us:.1f} us per call ({host.batch_median_us:.1f} over whole batches)",
+              flush=True)
+        if mode == "loop":
+            result.update(calls=phases, median=typical)
+        else:
+            result["dispatch"] = {"calls": phases, "median": typical}
+    return result
 
 
 def main(argv=None) -> int:
@@ -228,13 +251,16 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=None, help="comma-separated names")
     parser.add_argument("--config", default=None, type=parse_decode_config,
                         help="bk64/s1/w8/st5 (any subset): these fields over the picked config")
+    parser.add_argument("--dispatch", action="store_true",
+                        help="also the same calls launched one per dispatch (each its own program)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny shape in interpret mode (the wrapper, not the timeline)")
     args = parser.parse_args(argv)
     names = args.shapes.split(",") if args.shapes else (SMOKE_SHAPES if args.smoke else SHAPES)
     s, interpret, copy = tool_setup(args.smoke)
-    results = [run_shape(name, args.config or {}, s, copy["tbps"], interpret) for name in names]
+    results = [run_shape(name, args.config or {}, s, copy["tbps"], interpret, args.dispatch)
+               for name in names]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(jsonable({"device": jax.devices()[0].device_kind, "copy": copy,

@@ -1264,16 +1264,21 @@ def test_program_timeline_phases_of_synthetic_stamps():
 @pytest.mark.parametrize("config", [None, "s2/mk1"])
 def test_program_timeline_smoke_wraps_the_kernel_unchanged(tmp_path, config):
     """The timed wrapper of the grid kernel gives `decode`'s output (checked against impl="xla"),
-    with one split or several merged in the kernel; a split merged by a second launch and
+    with one split (also timed one call per dispatch) or several merged in the kernel; a split merged by a second launch and
     persistent programs are refused with the config in the message."""
     from benchmarks import program_timeline as ptl
 
     path = tmp_path / "timeline.json"
-    argv = ["--smoke", "--json", str(path)] + (["--config", config] if config else [])
+    argv = ["--smoke", "--json", str(path)] + (["--config", config] if config else ["--dispatch"])
     assert ptl.main(argv) == 0
     [shape] = json.loads(path.read_text())["shapes"]
     assert shape["status"] == "ok" and shape["rel_err"] < 1e-2
     assert len(shape["calls"]) >= 1 and shape["median"]["host_us"] > 0
+    if config is None:  # --dispatch: the same calls one per dispatch, beside the loop
+        assert len(shape["dispatch"]["calls"]) == len(shape["calls"])
+        assert shape["dispatch"]["median"]["host_us"] > 0
+    else:
+        assert "dispatch" not in shape
     inputs = make_decode_inputs(shape_by_name("small_b2_ctx64"), seed=0)
     args = (inputs.q[0], inputs.k_cache, inputs.v_cache, inputs.block_tables[0],
             inputs.context_lens)
