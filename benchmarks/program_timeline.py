@@ -3,8 +3,8 @@ a call spends the time that streaming its bytes does not explain (the launch's r
 spread, the tail while the last programs finish, the gap before the next call).
 
 Run ``python -m benchmarks.program_timeline [--shapes b32_ctx4096,mha_b32_ctx4096] [--config
-LABEL] [--dispatch] [--json PATH] [--smoke]``. Each shape runs the Triton grid kernel (`pallas_triton.
-_paged_decode_kernel`, unchanged) inside a wrapper that also writes, per program, the global
+LABEL] [--dispatch] [--json PATH] [--smoke]``. Each shape runs the Triton grid kernel
+(`pallas_triton._paged_decode_kernel`, unchanged) inside a wrapper that also writes, per program, the global
 timer (``%globaltimer_lo``, ns) when it starts and when its last store is done, and the
 multiprocessor it ran on (``%smid``). ``Settings.loop_ops`` calls run back to back in one jitted
 program, each on its own query, as `benchmarks.decode_anatomy` times its rows; the first call's
@@ -80,9 +80,10 @@ def _timed_decode_kernel(*refs, interpret: bool, **kernel_args):
     plgpu.store(timeline_ref.at[b, h, split, lane], jnp.where(lane == 0, start, sm),
                 mask=lane != 1)
     decode_triton._paged_decode_kernel(*kernel_refs, interpret=interpret, **kernel_args)
-    # The end: after this program's stores (a barrier), read back through the lse / m output, on
-    # which the timer read depends.
-    scalars_ref = kernel_refs[KERNEL_INPUTS + 1]  # lse [batch, kvh, group] or m [..., splits, group]
+    # The end: after this program's stores (a barrier), read back through the lse output
+    # [batch, kvh, group] (with splits, m [batch, kvh, splits, group]); the timer read depends
+    # on the value read.
+    scalars_ref = kernel_refs[KERNEL_INPUTS + 1]
     if not interpret:
         plgpu.debug_barrier()
     index = (b, h, lane * 0) if len(scalars_ref.shape) == 3 else (b, h, split, lane * 0)

@@ -1264,8 +1264,9 @@ def test_program_timeline_phases_of_synthetic_stamps():
 @pytest.mark.parametrize("config", [None, "s2/mk1"])
 def test_program_timeline_smoke_wraps_the_kernel_unchanged(tmp_path, config):
     """The timed wrapper of the grid kernel gives `decode`'s output (checked against impl="xla"),
-    with one split (also timed one call per dispatch) or several merged in the kernel; a split merged by a second launch and
-    persistent programs are refused with the config in the message."""
+    with one split (also timed one call per dispatch) or several merged in the kernel; a split
+    merged by a second launch and persistent programs are refused with the config in the
+    message."""
     from benchmarks import program_timeline as ptl
 
     path = tmp_path / "timeline.json"
