@@ -159,6 +159,16 @@ def tool_setup(smoke: bool, copy_bytes: int = 1 << 30) -> tuple[Settings, bool, 
     return s, interpret, copy
 
 
+def write_tool_json(path: str | None, copy: dict, **fields) -> None:
+    """A single-purpose timing tool's JSON at ``path`` (nothing when None): the device kind, the
+    copy bandwidth (`tool_setup`'s), the jax version, then ``fields`` (its rows)."""
+    if path is None:
+        return
+    with open(path, "w") as f:
+        json.dump(jsonable({"device": jax.devices()[0].device_kind, "copy": copy,
+                            "jax": jax.__version__, **fields}), f, indent=1)
+
+
 # ----------------------------------------------------------------------------------------------
 # Helpers (the timer and the copy bandwidth are `benchmarks.timing`'s)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 
 import jax
@@ -29,9 +28,9 @@ import numpy as np
 
 import pallas_paged as pp
 from benchmarks.bench import (ROTATE_BYTES, Settings, abstract_args, compare, config_label,
-                              parse_decode_config, per_call, tool_setup)
+                              parse_decode_config, per_call, tool_setup, write_tool_json)
 from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
-from benchmarks.timing import describe_error, jsonable, measure
+from benchmarks.timing import describe_error, measure
 from pallas_paged.decode_attention.api import picked_config
 
 SHAPES = ("b32_ctx4096", "mha_b32_ctx4096")
@@ -138,10 +137,7 @@ def main(argv=None) -> int:
     s, interpret, copy = tool_setup(args.smoke)
     results = [run_shape(name, contexts, args.config or {}, s, copy["tbps"], interpret)
                for name in names]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(jsonable({"device": jax.devices()[0].device_kind, "copy": copy,
-                                "jax": jax.__version__, "shapes": results}), f, indent=1)
+    write_tool_json(args.json, copy, shapes=results)
     wrong = any(p["status"] == "WRONG" for r in results for p in r["points"])
     return 1 if wrong else 0
 

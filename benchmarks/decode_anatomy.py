@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
 import sys
 
@@ -59,8 +58,8 @@ from jax.experimental.pallas import triton as plgpu
 
 import pallas_paged as pp
 from benchmarks.bench import (ROTATE_BYTES, Settings, compare, config_label, parse_decode_config,
-                              per_call, tool_setup)
-from benchmarks.timing import (describe_error, jsonable, kernel_variant, libdevice_exp_variant,
+                              per_call, tool_setup, write_tool_json)
+from benchmarks.timing import (describe_error, kernel_variant, libdevice_exp_variant,
                                measure)
 from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
 from pallas_paged.decode_attention import pallas_triton as decode_triton
@@ -419,10 +418,7 @@ def main(argv=None) -> int:
         with_configs = args.configs is None or name in args.configs.split(",")
         rows += run_shape(name, s, copy["tbps"], interpret, with_configs,
                           tuple(args.only.split(",")) if args.only else (), tuple(args.config))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(jsonable({"device": jax.devices()[0].device_kind, "copy": copy,
-                                "jax": jax.__version__, "rows": rows}), f, indent=1)
+    write_tool_json(args.json, copy, rows=rows)
     return 1 if any(r.get("status") == "WRONG" for r in rows) else 0
 
 

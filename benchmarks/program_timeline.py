@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import sys
 
 import jax
@@ -45,9 +44,9 @@ from jax.experimental.pallas import triton as plgpu
 
 import pallas_paged as pp
 from benchmarks.bench import (ROTATE_BYTES, abstract_args, compare, config_label,
-                              parse_decode_config, per_call, tool_setup)
+                              parse_decode_config, per_call, tool_setup, write_tool_json)
 from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
-from benchmarks.timing import jsonable, measure
+from benchmarks.timing import measure
 from pallas_paged.decode_attention import pallas_triton as decode_triton
 from pallas_paged.decode_attention.api import picked_config
 
@@ -108,19 +107,12 @@ def timed_decode(q, k_cache, v_cache, block_tables, context_lens, *, config: pp.
                          "give mk1 (merged in the kernel) to time one launch")
     batch, num_heads, head_dim = q.shape
     kvh = k_cache.shape[2]
-    group, splits = num_heads // kvh, config.num_splits
+    splits = config.num_splits
     statics = decode_triton.kernel_statics(q, k_cache, config)
     kernel = functools.partial(
         _timed_decode_kernel, scale=1.0 / float(np.sqrt(head_dim)), num_splits=splits,
         soft_cap=None, window=None, merge_in_kernel=splits > 1, interpret=interpret, **statics)
-    finals = (jax.ShapeDtypeStruct((batch, kvh, group, head_dim), q.dtype),
-              jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32))
-    out_shape = finals
-    if splits > 1:
-        out_shape = (jax.ShapeDtypeStruct((batch, kvh, splits, group, head_dim), jnp.float32),
-                     jax.ShapeDtypeStruct((batch, kvh, splits, group), jnp.float32),
-                     jax.ShapeDtypeStruct((batch, kvh, splits, group), jnp.float32),
-                     *finals, jax.ShapeDtypeStruct((batch, kvh), jnp.int32))
+    out_shape = decode_triton.grid_kernel_out_shapes(q, kvh, splits, merge_in_kernel=splits > 1)
     out_shape += (jax.ShapeDtypeStruct((batch, kvh, splits, STAMPS), jnp.int32),)
     operands = decode_triton.kernel_operands(q, k_cache, v_cache, block_tables, context_lens,
                                              None, None, None, None, fp8_pairs=statics["fp8_pairs"])
@@ -262,10 +254,7 @@ def main(argv=None) -> int:
     s, interpret, copy = tool_setup(args.smoke)
     results = [run_shape(name, args.config or {}, s, copy["tbps"], interpret, args.dispatch)
                for name in names]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(jsonable({"device": jax.devices()[0].device_kind, "copy": copy,
-                                "jax": jax.__version__, "shapes": results}), f, indent=1)
+    write_tool_json(args.json, copy, shapes=results)
     return 1 if any(r["status"] == "WRONG" for r in results) else 0
 
 

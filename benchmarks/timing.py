@@ -90,8 +90,8 @@ def measure(step, ops_per_call: int, s, sync=jax.block_until_ready) -> Timing:
         if spent >= s.warmup_s or batch >= s.max_calls:
             break
         batch *= 2
-    calls = int(min(s.max_calls // 2, max(s.min_calls, math.ceil(s.window_s / per_call / 2))))
-    calls = max(1, calls)
+    calls = max(1, int(min(s.max_calls // 2,
+                           max(s.min_calls, math.ceil(s.window_s / per_call / 2)))))
     steady, batched = [], []
     for _ in range(s.windows):
         short = batch_seconds(calls)

@@ -39,7 +39,6 @@ Safety, by construction rather than by validation (values cannot raise under jit
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -935,6 +934,26 @@ def kernel_name(grid: str, statics: dict, q, k_cache, *, merged: bool = False) -
             + ("_pairs" if statics["fp8_pairs"] else ""))
 
 
+def grid_kernel_out_shapes(q, kvh: int, splits: int, merge_in_kernel: bool) -> tuple:
+    """`_paged_decode_kernel`'s outputs for ``q`` [batch, num_heads, head_dim] over ``kvh`` kv
+    heads: with one split ``(out [batch, kvh, group, head_dim] in q.dtype, lse f32[batch, kvh,
+    group])``; with several the partial ``(o f32[batch, kvh, splits, group, head_dim], m, l
+    f32[batch, kvh, splits, group])``, then (``merge_in_kernel``) out, lse and the arrival counts
+    i32[batch, kvh]."""
+    batch, num_heads, head_dim = q.shape
+    group = num_heads // kvh
+    finals = (jax.ShapeDtypeStruct((batch, kvh, group, head_dim), q.dtype),
+              jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32))
+    if splits == 1:
+        return finals
+    partials = (jax.ShapeDtypeStruct((batch, kvh, splits, group, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((batch, kvh, splits, group), jnp.float32),
+                jax.ShapeDtypeStruct((batch, kvh, splits, group), jnp.float32))
+    if not merge_in_kernel:
+        return partials
+    return partials + finals + (jax.ShapeDtypeStruct((batch, kvh), jnp.int32),)
+
+
 def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                        config: DecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
                        sliding_window, sinks, k_scale, v_scale):
@@ -948,24 +967,15 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
       ``(o f32[batch, kvh, splits, group, head_dim], m, l f32[batch, kvh, splits, group])`` that
       `_merge_splits` combines.
     """
-    batch, num_heads, head_dim = q.shape
+    batch = q.shape[0]
     kvh = k_cache.shape[2]
-    group = num_heads // kvh
     splits = config.num_splits
     merge_in_kernel = config.merge_in_kernel and splits > 1
     statics = kernel_statics(q, k_cache, config)
     kernel = functools.partial(
         _paged_decode_kernel, scale=scale, num_splits=splits, soft_cap=logits_soft_cap,
         window=sliding_window, merge_in_kernel=merge_in_kernel, interpret=interpret, **statics)
-    finals = (jax.ShapeDtypeStruct((batch, kvh, group, head_dim), q.dtype),
-              jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32))
-    out_shape = finals
-    if splits > 1:
-        out_shape = (jax.ShapeDtypeStruct((batch, kvh, splits, group, head_dim), jnp.float32),
-                     jax.ShapeDtypeStruct((batch, kvh, splits, group), jnp.float32),
-                     jax.ShapeDtypeStruct((batch, kvh, splits, group), jnp.float32))
-        if merge_in_kernel:
-            out_shape += finals + (jax.ShapeDtypeStruct((batch, kvh), jnp.int32),)
+    out_shape = grid_kernel_out_shapes(q, kvh, splits, merge_in_kernel)
     operands = kernel_operands(q, k_cache, v_cache, block_tables, context_lens, alibi_slopes,
                                sinks, k_scale, v_scale, fp8_pairs=statics["fp8_pairs"])
     # merge_in_kernel: the arrival counts start at zero and live in the last output's buffer.
