@@ -103,30 +103,40 @@ def copy_rates(docs: list[dict]) -> list[float | None]:
     return [doc.get("copy_bandwidth", {}).get("tbps") for doc in docs]
 
 
-def copy_ways(docs: list[dict]) -> dict[str, list[float | None]]:
-    """Each way's copy rate (TB/s) per run, measured at the run's start (the ceiling is the
-    largest); only the ways some run measured."""
+def copy_ways(docs: list[dict]) -> dict[str, list[dict | None]]:
+    """Each way's copy measurement per run at the run's start, ``{"tbps", "spread"}`` (the
+    windows' ``(max - min) / median``; None where unknown), or None where the run has none; only
+    the ways some run measured. The ceiling is the largest rate of the ways whose spread is
+    within `benchmarks.timing.COPY_SPREAD_LIMIT`."""
     ways = {}
     for way in COPY_WAYS:
-        rates = [doc.get("copy_bandwidth", {}).get("start", {}).get(way, {}).get("tbps")
-                 for doc in docs]
-        if any(r is not None for r in rates):
-            ways[way] = rates
+        measured = [doc.get("copy_bandwidth", {}).get("start", {}).get(way, {}) for doc in docs]
+        cells = [{"tbps": m["tbps"], "spread": m.get("spread")} if "tbps" in m else None
+                 for m in measured]
+        if any(cells):
+            ways[way] = cells
     return ways
 
 
 def format_table(rows: list[dict], copies: list, ways: dict | None = None) -> str:
     """The verdicts as a Markdown table: the ceiling per run (and, given ``ways``, each way's
-    rate that it is the largest of), then every shape's runs, median, range, bar, verdict."""
+    rate with its windows' spread), then every shape's runs, median, range, bar, verdict."""
     def f(x):
         return "-" if x is None else f"{x:.3f}"
+
+    def way_cell(cell):
+        if cell is None:
+            return "-"
+        spread = "" if cell["spread"] is None else f" ({100 * cell['spread']:.1f}%)"
+        return f(cell["tbps"]) + spread
     n = max((len(r["runs"]) for r in rows), default=0)
     head = ("| shape | " + " | ".join(f"run {i + 1}" for i in range(n))
             + " | median | range | bar | verdict |")
     lines = [head, "|---|" + "---:|" * (n + 3) + "---|"]
     lines.append("| copy TB/s | " + " | ".join(f(c) for c in copies) + " | | | | |")
-    for way, rates in (ways or {}).items():
-        lines.append(f"| copy TB/s, {way} | " + " | ".join(f(c) for c in rates) + " | | | | |")
+    for way, cells in (ways or {}).items():
+        lines.append(f"| copy TB/s, {way} (spread) | " + " | ".join(way_cell(c) for c in cells)
+                     + " | | | | |")
     for r in rows:
         spread = "-" if r["min"] is None else f"{r['min']:.3f}-{r['max']:.3f}"
         lines.append(f"| `{r['shape']}` | " + " | ".join(f(x) for x in r["runs"])

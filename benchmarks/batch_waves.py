@@ -30,7 +30,7 @@ import jax
 import pallas_paged as pp
 from benchmarks.bench import Settings, compare, config_label, parse_decode_config, smoke_settings
 from benchmarks.shapes import FP8, DecodeBenchShape, make_decode_inputs
-from benchmarks.timing import jsonable, measure, measure_copy_bandwidth
+from benchmarks.timing import copy_summary, jsonable, measure, measure_copy_bandwidth
 from pallas_paged.decode_attention.api import picked_config
 
 
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         parser.error(str(e))
     s = smoke_settings(Settings()) if args.smoke else Settings()
     copy = measure_copy_bandwidth(s.copy_bytes, s)
-    print(f"copy bandwidth {copy['tbps']:.3f} TB/s ({copy['source']})", flush=True)
+    print(f"copy bandwidth {copy_summary(copy)}", flush=True)
     rows = [row for case in cases for row in run_case(case, s, copy["tbps"], args.smoke)]
     if args.json:
         with open(args.json, "w") as f:

@@ -22,8 +22,9 @@ Run ``python -m benchmarks.bench [--shapes NAMES|all] [--impls ...] [--tune] [--
 Method:
 
 - Copy bandwidth (`benchmarks.timing.measure_copy_bandwidth`): over 4 GiB, torch's device-to-device
-  copy (when torch sees the GPU) and a jitted JAX copy and bitwise-not (which XLA cannot elide),
-  bytes read + written over the median time, the largest of them; measured at the start (the
+  copy (when torch sees the GPU) and a jitted JAX copy and bitwise-not (which XLA cannot elide)
+  into donated buffers, bytes read + written over the median time, the largest of the ways whose
+  windows agree within `benchmarks.timing.COPY_SPREAD_LIMIT`; measured at the start (the
   reference of every fraction) and again at the end (a drift check).
 - Timing (`benchmarks.timing.measure`): compilation, a correctness call and ~0.2 s of warm-up
   calls outside the clock; then ``--repeats`` windows, each two batches of back-to-back calls from
@@ -95,7 +96,8 @@ from benchmarks.shapes import (ALL_SHAPES, SHAPE_GROUPS, SMALL_SHAPES, DecodeBen
                                  shape_by_name)
 from pallas_paged import quantize_fp8, write_kv
 from parity.oracle import oracle_paged_attention
-from benchmarks.timing import Timing, TimerSettings, jsonable, measure, measure_copy_bandwidth
+from benchmarks.timing import (Timing, TimerSettings, copy_summary, jsonable, measure,
+                               measure_copy_bandwidth)
 from benchmarks.timing import describe_error as _error
 
 IMPLS = ("pallas", "mosaic", "xla", "jax_paged_attention", "write")
@@ -155,7 +157,7 @@ def tool_setup(smoke: bool, copy_bytes: int = 1 << 30) -> tuple[Settings, bool, 
     s = smoke_settings(Settings()) if smoke else Settings()
     interpret = smoke or jax.devices()[0].platform != "gpu"
     copy = measure_copy_bandwidth(1 << 20 if smoke else copy_bytes, s)
-    print(f"copy bandwidth {copy['tbps']:.3f} TB/s ({copy['source']})", flush=True)
+    print(f"copy bandwidth {copy_summary(copy)}", flush=True)
     return s, interpret, copy
 
 
@@ -1485,8 +1487,8 @@ def main(argv=None) -> dict:
     copy_start = measure_copy_bandwidth(s.copy_bytes, s)
     copy_tbps = copy_start["tbps"]
     doc["copy_bandwidth"] = {"start": copy_start, "tbps": copy_tbps}
-    print(f"copy bandwidth: {copy_tbps:.3f} TB/s (read + written, {s.copy_bytes / 2**30:.2f} GiB)",
-          flush=True)
+    print(f"copy bandwidth (read + written, {s.copy_bytes / 2**30:.2f} GiB):"
+          f" {copy_summary(copy_start)}", flush=True)
     if not math.isfinite(copy_tbps) or copy_tbps <= 0:
         copy_tbps = float("nan")
 

@@ -16,7 +16,8 @@ host's dispatch overlaps the device work as in a serving loop), the speedup over
 (strong: ``t1 / tn``; weak: ``n * t1 / tn``, the work done per unit time), the efficiency
 (speedup / devices), the KV bandwidth achieved and its fraction of the devices' copy bandwidth
 measured in the same run (`benchmarks.timing.measure_copy_bandwidth`: over 4 GiB on each device at
-once; on one GPU also torch's device-to-device copy, the largest rate counts), and the largest
+once; on one GPU also torch's device-to-device copy; the largest rate of the ways whose timed
+windows agree counts), and the largest
 difference from a single-device `decode` of the same global problem (a correctness check, outside
 the timing). Each variant's failure is recorded and the others still run.
 
@@ -46,8 +47,7 @@ import traceback  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 
 from benchmarks.bench import int_at_least  # noqa: E402
 from benchmarks.timing import TimerSettings, jsonable, measure  # noqa: E402

@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import torch_ref  # noqa: E402
-from benchmarks.timing import (TimerSettings, describe_error, measure,  # noqa: E402
+from benchmarks.timing import (TimerSettings, copy_summary, describe_error, measure,  # noqa: E402
                                measure_copy_bandwidth)
 from pallas_paged import write_kv  # noqa: E402
 from pallas_paged._platform import quiet_triton_deprecation  # noqa: E402
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     interpret = True if device == "cpu" else None
     copy = measure_copy_bandwidth(p.copy_bytes, timer)
     print(f"{jax.devices()[0].device_kind} (jax {jax.__version__}, torch {torch.__version__}):"
-          f" copy bandwidth {copy['tbps']:.3f} TB/s ({copy['source']}); {p.tokens} tokens,"
+          f" copy bandwidth {copy_summary(copy)}; {p.tokens} tokens,"
           f" {p.num_kv_heads} kv heads x {p.head_dim}, {p.num_blocks} blocks of {p.block_size},"
           f" {REPS} writes per call", flush=True)
     ok = True

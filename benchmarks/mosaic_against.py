@@ -71,4 +71,4 @@ for name in shapes:
         res["after"].append(timed(f"mosaic now #{rep}", after, args, nbytes, ref, loop))
         res["triton"].append(timed(f"triton #{rep}", triton, args, nbytes, ref, loop))
     med = {k_: statistics.median(v_) for k_, v_ in res.items()}
-    print(f"  medians: " + ", ".join(f"{k_} {v_:.2f} us ({nbytes / (v_ * 1e-6) / 1e12 / copy:.3f})" for k_, v_ in med.items()), flush=True)
+    print("  medians: " + ", ".join(f"{k_} {v_:.2f} us ({nbytes / (v_ * 1e-6) / 1e12 / copy:.3f})" for k_, v_ in med.items()), flush=True)

@@ -749,15 +749,38 @@ def test_sharded_smoke_run(tmp_path):
 
 
 def test_copy_bandwidth_measures_every_jax_way():
-    from benchmarks.timing import TimerSettings, measure_copy_bandwidth
-    s = TimerSettings(windows=2, window_s=0.0, warmup_s=0.0, min_calls=1, max_calls=2)
+    from benchmarks.timing import TimerSettings, copy_ceiling, measure_copy_bandwidth
+    s = TimerSettings(windows=3, window_s=0.0, warmup_s=0.0, min_calls=1, max_calls=8)
     result = measure_copy_bandwidth(1 << 20, s)
-    rates = {k: result[k]["tbps"] for k in ("copy", "not")}
-    assert all(_finite_positive(r) for r in rates.values())
+    ways = ("copy", "not") + (("torch_copy",) if "torch_copy" in result else ())
     assert "torch_copy" not in result or jax.default_backend() == "gpu"
-    if "tbps" in result.get("torch_copy", {}):  # a GPU torch sees: its copy competes too
-        rates["torch_copy"] = result["torch_copy"]["tbps"]
-    assert result["tbps"] == max(rates.values()) == rates[result["source"]]
+    for way in ways:
+        assert _finite_positive(result[way]["tbps"]), result[way]
+        windows = result[way]["windows_us"]
+        assert len(windows) == 3
+        assert result[way]["spread"] == pytest.approx(
+            (max(windows) - min(windows)) / result[way]["median_us"])
+    assert {k: result[k] for k in ("source", "tbps", "imprecise")} == copy_ceiling(result)
+    assert result["source"] in ways
+
+
+def test_copy_ceiling_is_the_fastest_way_whose_windows_agree():
+    """A way whose windows spread past `COPY_SPREAD_LIMIT` does not set the ceiling however fast
+    its median; with no precise way, the largest of all, flagged."""
+    from benchmarks.timing import COPY_SPREAD_LIMIT, copy_ceiling
+    ways = {"torch_copy": {"tbps": 4.30, "spread": 0.003},
+            "copy": {"tbps": 4.41, "spread": 0.48},  # fastest, but its windows disagree
+            "not": {"tbps": 4.29, "spread": COPY_SPREAD_LIMIT},  # at the limit: counts
+            "bytes": 1 << 32, "jax_error": "not a way"}
+    assert copy_ceiling(ways) == {"source": "torch_copy", "tbps": 4.30, "imprecise": False}
+    ways["not"]["tbps"] = 4.35
+    assert copy_ceiling(ways) == {"source": "not", "tbps": 4.35, "imprecise": False}
+    noisy = {k: {"tbps": v["tbps"], "spread": 0.2} for k, v in ways.items()
+             if isinstance(v, dict)}
+    assert copy_ceiling(noisy) == {"source": "copy", "tbps": 4.41, "imprecise": True}
+    failed = {"copy": {"error": "RuntimeError: x"}, "bytes": 1}
+    result = copy_ceiling(failed)
+    assert result["source"] is None and math.isnan(result["tbps"]) and not result["imprecise"]
 
 
 def test_jsonable_writes_strict_json():
@@ -1128,7 +1151,8 @@ def _bars_doc(fractions: dict, copy_tbps: float = 4.2) -> dict:
                "frac_copy_bw": 0.5 if frac is None else frac}
         shapes.append({"name": name, "results": [{"impl": "xla", "status": "ok", "correct": True,
                                                   "frac_copy_bw": 0.1}, row]})
-    start = {"torch_copy": {"tbps": copy_tbps - 0.1}, "not": {"tbps": copy_tbps}}
+    start = {"torch_copy": {"tbps": copy_tbps - 0.1, "spread": 0.003},
+             "not": {"tbps": copy_tbps, "spread": 0.02}}
     return {"copy_bandwidth": {"tbps": copy_tbps, "start": start}, "shapes": shapes}
 
 
@@ -1151,10 +1175,11 @@ def test_bars_judges_by_the_median_and_the_minimum_of_the_runs():
     assert rows["small_b2_ctx64"]["verdict"] == "no bar"
     table = bars.format_table(list(rows.values()), bars.copy_rates(docs), bars.copy_ways(docs))
     assert "| `b1_ctx32768` | 0.810 | 0.790 | 0.820 | - | 0.810 | 0.790-0.820 | 0.800 |" in table
-    # the ceiling and each way it is the largest of, per run (the JAX copy measured by none)
+    # the ceiling and each way with its windows' spread, per run (the JAX copy measured by none)
     assert "| copy TB/s | 4.200 | 4.200 | 4.200 | - |" in table
-    assert "| copy TB/s, torch_copy | 4.100 | 4.100 | 4.100 | - |" in table
-    assert "| copy TB/s, not | 4.200 |" in table and "copy TB/s, copy |" not in table
+    assert "| copy TB/s, torch_copy (spread) | 4.100 (0.3%) | 4.100 (0.3%) | 4.100 (0.3%) | - |" \
+        in table
+    assert "| copy TB/s, not (spread) | 4.200 (2.0%) |" in table and "copy TB/s, copy" not in table
 
 
 def test_bars_runs_bench_processes_in_alternating_order(tmp_path, monkeypatch):
