@@ -764,6 +764,23 @@ def test_copy_bandwidth_measures_every_jax_way():
     assert result["source"] in ways
 
 
+def test_copy_bandwidth_tool_prints_and_writes_every_way(tmp_path, capsys):
+    """`python -m benchmarks.copy_bandwidth --smoke`: one line with the ceiling and every way's
+    rate and spread, and the measurement as JSON."""
+    from benchmarks import copy_bandwidth
+
+    path = tmp_path / "copy.json"
+    assert copy_bandwidth.main(["--smoke", "--json", str(path)]) == 0
+    line = capsys.readouterr().out
+    copy = json.loads(path.read_text())["copy"]
+    assert copy["bytes"] == 1 << 20 and copy["source"] in ("copy", "not", "torch_copy")
+    for way in ("copy", "not"):
+        assert _finite_positive(copy[way]["tbps"]) and copy[way]["spread"] >= 0
+        assert f"{way} {copy[way]['tbps']:.3f} (spread " in line
+    with pytest.raises(SystemExit):
+        copy_bandwidth.main(["--gib", "0"])
+
+
 def test_copy_ceiling_is_the_fastest_way_whose_windows_agree():
     """A way whose windows spread past `COPY_SPREAD_LIMIT` does not set the ceiling however fast
     its median; with no precise way, the largest of all, flagged."""
