@@ -103,6 +103,12 @@ def copy_rates(docs: list[dict]) -> list[float | None]:
     return [doc.get("copy_bandwidth", {}).get("tbps") for doc in docs]
 
 
+def imprecise_runs(docs: list[dict]) -> list[bool]:
+    """Per run, whether its ceiling came from no precise way (`benchmarks.timing.copy_ceiling`'s
+    ``imprecise``): its fractions are then not to be judged by."""
+    return [bool(doc.get("copy_bandwidth", {}).get("start", {}).get("imprecise")) for doc in docs]
+
+
 def copy_ways(docs: list[dict]) -> dict[str, list[dict | None]]:
     """Each way's copy measurement per run at the run's start, ``{"tbps", "spread"}`` (the
     windows' ``(max - min) / median``; None where unknown), or None where the run has none; only
@@ -118,11 +124,16 @@ def copy_ways(docs: list[dict]) -> dict[str, list[dict | None]]:
     return ways
 
 
-def format_table(rows: list[dict], copies: list, ways: dict | None = None) -> str:
-    """The verdicts as a Markdown table: the ceiling per run (and, given ``ways``, each way's
-    rate with its windows' spread), then every shape's runs, median, range, bar, verdict."""
+def format_table(rows: list[dict], copies: list, ways: dict | None = None,
+                 imprecise: list | None = None) -> str:
+    """The verdicts as a Markdown table: the ceiling per run (marked where ``imprecise``; and,
+    given ``ways``, each way's rate with its windows' spread), then every shape's runs, median,
+    range, bar, verdict."""
     def f(x):
         return "-" if x is None else f"{x:.3f}"
+
+    def ceiling_cell(i, c):
+        return f(c) + (" (imprecise)" if imprecise and imprecise[i] else "")
 
     def way_cell(cell):
         if cell is None:
@@ -133,7 +144,8 @@ def format_table(rows: list[dict], copies: list, ways: dict | None = None) -> st
     head = ("| shape | " + " | ".join(f"run {i + 1}" for i in range(n))
             + " | median | range | bar | verdict |")
     lines = [head, "|---|" + "---:|" * (n + 3) + "---|"]
-    lines.append("| copy TB/s | " + " | ".join(f(c) for c in copies) + " | | | | |")
+    lines.append("| copy TB/s | " + " | ".join(ceiling_cell(i, c) for i, c in enumerate(copies))
+                 + " | | | | |")
     for way, cells in (ways or {}).items():
         lines.append(f"| copy TB/s, {way} (spread) | " + " | ".join(way_cell(c) for c in cells)
                      + " | | | | |")
@@ -211,11 +223,11 @@ def main(argv=None) -> int:
         print(f"no bench_<i>.json in {directory}", file=sys.stderr)
         return 1
     rows = judge(docs, shapes)
-    table = format_table(rows, copy_rates(docs), copy_ways(docs))
+    table = format_table(rows, copy_rates(docs), copy_ways(docs), imprecise_runs(docs))
     print(table)
     with open(os.path.join(directory, "bars.json"), "w") as fh:
         json.dump({"rows": rows, "copy_tbps": copy_rates(docs), "copy_ways": copy_ways(docs),
-                   "table": table.splitlines()},
+                   "copy_imprecise": imprecise_runs(docs), "table": table.splitlines()},
                   fh, indent=1)
     return 0
 

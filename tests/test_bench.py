@@ -1190,10 +1190,13 @@ def test_bars_judges_by_the_median_and_the_minimum_of_the_runs():
     assert rows["fp8_b8_ctx16384"]["verdict"] == "met in every run"
     assert rows["b256_ctx512"]["verdict"] == "not measured"
     assert rows["small_b2_ctx64"]["verdict"] == "no bar"
-    table = bars.format_table(list(rows.values()), bars.copy_rates(docs), bars.copy_ways(docs))
+    docs[2]["copy_bandwidth"]["start"]["imprecise"] = True  # no way's windows agreed
+    assert bars.imprecise_runs(docs) == [False, False, True, False]
+    table = bars.format_table(list(rows.values()), bars.copy_rates(docs), bars.copy_ways(docs),
+                              bars.imprecise_runs(docs))
     assert "| `b1_ctx32768` | 0.810 | 0.790 | 0.820 | - | 0.810 | 0.790-0.820 | 0.800 |" in table
     # the ceiling and each way with its windows' spread, per run (the JAX copy measured by none)
-    assert "| copy TB/s | 4.200 | 4.200 | 4.200 | - |" in table
+    assert "| copy TB/s | 4.200 | 4.200 | 4.200 (imprecise) | - |" in table
     assert "| copy TB/s, torch_copy (spread) | 4.100 (0.3%) | 4.100 (0.3%) | 4.100 (0.3%) | - |" \
         in table
     assert "| copy TB/s, not (spread) | 4.200 (2.0%) |" in table and "copy TB/s, copy" not in table
