@@ -38,8 +38,12 @@ Method:
   one left in L2. To keep host dispatch (~10 us) out of such short kernels, one jitted call then
   runs ``reps`` operations in straight-line code over the copies ("loop" mode: XLA launches them
   back to back; a ``fori_loop`` would add a host round trip per iteration); ``loop_overhead_us``
-  reports the time per operation of a trivial body launched the same way. Problems
-  large enough to need no rotation are timed one operation per dispatch ("dispatch" mode).
+  reports the time per operation of a trivial body launched the same way. Problems large
+  enough to need no rotation run in loop mode too, ``loop_ops`` calls on one copy (each call its
+  own query array): launched one per dispatch, each call paid the gap between two of JAX's
+  executables (4.7-4.8 us on an H100's timer, 3% of B=32/ctx 4096 on an H200), where calls
+  inside one program, as in a model's jitted step, are under 1 us apart (docs/BENCHMARKS.md,
+  "Both ways on the device's timer").
   Writes always run ``reps`` straight-line writes per call on the donated caches: a prefill
   write rotates among 4 disjoint sets of whole blocks; a decode-step write repeats its slots
   (slicing a rotation would launch a kernel as costly as the write itself).
@@ -287,8 +291,8 @@ def per_call(stacked, copies: int, reps: int) -> list:
 
 def loop_reps(copies: int, loop_ops: int) -> int:
     """Operations per call in loop mode: at least ``loop_ops``, a whole number of passes over the
-    ``copies`` (1 when there is one copy: dispatch mode)."""
-    return copies * max(1, math.ceil(loop_ops / copies)) if copies > 1 else 1
+    ``copies`` (one copy or several)."""
+    return copies * max(1, math.ceil(loop_ops / copies))
 
 
 def loop_args(inputs, copies: int, reps: int, q=None, tables=None) -> tuple:
@@ -574,7 +578,7 @@ class ShapeBench:
         shape, s = self.shape, self.s
         copies = s.copies or rotation_copies(shape, min_bytes=ROTATE_BYTES,
                                              max_copies=s.max_copies)
-        mode = "loop" if copies > 1 else "dispatch"
+        mode = "loop"
         reps = loop_reps(copies, s.loop_ops)
         self.copies, self.mode, self.reps = copies, mode, reps
         t0 = time.perf_counter()
@@ -607,17 +611,11 @@ class ShapeBench:
         return self.record, [r for r in self.rows if r.get("kind") == "write"]
 
     def _decode_args(self, inputs, q=None, tables=None):
-        """Arguments of a decode-like call: one copy (dispatch) or lists of every copy's q and
-        table (loop)."""
-        q = inputs.q if q is None else q
-        tables = inputs.block_tables if tables is None else tables
-        if self.mode == "dispatch":
-            return (q[0], inputs.k_cache, inputs.v_cache, tables[0], inputs.context_lens)
+        """Arguments of a decode-like call in loop mode: lists of every call's q and its copy's
+        table (`loop_args`)."""
         return loop_args(inputs, self.copies, self.reps, q=q, tables=tables)
 
     def _wrap(self, call):
-        if self.mode == "dispatch":
-            return jax.jit(call)
         return repeated(call, self.reps)
 
     def _decode_variant(self, impl, label, call, args, config=None) -> Variant:
@@ -1338,7 +1336,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-threads", type=int_at_least(1), default=None,
                    help="threads compiling one shape's Pallas variants (1: serial)")
     p.add_argument("--copies", type=int_at_least(0), default=0,
-                   help="force this many input copies (0: automatic; 1: dispatch mode)")
+                   help="force this many input copies (0: automatic)")
     p.add_argument("--copy-gib", type=float_at_least(0.0, strict=True), default=None,
                    help="size of the copy-bandwidth buffer in GiB (4)")
     p.add_argument("--time-limit", type=float_at_least(0.0), default=0,
@@ -1393,7 +1391,7 @@ def plan(shapes, impls, s: Settings, tune: bool, sms: int) -> str:
     for shape in shapes:
         copies = s.copies or rotation_copies(shape, min_bytes=ROTATE_BYTES,
                                              max_copies=s.max_copies)
-        mode = "loop" if copies > 1 else "dispatch"
+        mode = "loop"
         reps = loop_reps(copies, s.loop_ops)
         touched = shape.expected_tokens_read() * shape.kv_bytes_per_token
         cache = copies * shape.batch * shape.capacity * shape.kv_bytes_per_token

@@ -178,23 +178,18 @@ def bench_shape(shape: DecodeBenchShape, s: Settings, copy_tbps: float, tune: bo
 def _run(impl, inputs, config, interpret, ref, copies, nbytes, copy_tbps, s) -> dict:
     """Check (except the producer probe) and time one variant: the row's measured fields.
 
-    One call per dispatch, or with ``copies`` > 1 (problems that fit in L2 a few times, so short
-    that host dispatch would be what is timed) `benchmarks.bench`'s loop mode: ``reps``
-    straight-line calls over the copies in one jitted program (`benchmarks.bench.repeated`)."""
+    `benchmarks.bench`'s loop mode: ``reps`` straight-line calls over the copies (one or several)
+    in one jitted program (`benchmarks.bench.repeated`), each call on its own query array."""
     fn = _call(impl, inputs, config, interpret)
     row = {"correct": None} if impl == PRODUCER_PROBE else compare(fn(*inputs.args(0)), ref)
     if row["correct"] is False:
         return row
-    if copies == 1:
-        args = inputs.args(0)
-        timing = measure(lambda: fn(*args), 1, s)
-    else:
-        reps = loop_reps(copies, s.loop_ops)
-        calls = repeated(fn, reps)
-        args = loop_args(inputs, copies, reps)
-        jax.block_until_ready(calls(*args))  # compiled outside the clock
-        timing = measure(lambda: calls(*args), reps, s)
-        row.update(mode="loop", reps_per_call=reps)
+    reps = loop_reps(copies, s.loop_ops)
+    calls = repeated(fn, reps)
+    args = loop_args(inputs, copies, reps)
+    jax.block_until_ready(calls(*args))  # compiled outside the clock
+    timing = measure(lambda: calls(*args), reps, s)
+    row.update(mode="loop", reps_per_call=reps)
     row["us"] = timing.median_us
     row["tbps"] = nbytes / (timing.median_us * 1e-6) / 1e12
     row["of_copy"] = row["tbps"] / copy_tbps

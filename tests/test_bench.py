@@ -520,7 +520,7 @@ def test_smoke_decode_rows(smoke):
     _, doc, _ = smoke
     (record,) = doc["shapes"]
     assert record["name"] == SMOKE_SHAPE and record["status"] == "done"
-    assert record["copies"] >= 1 and record["mode"] in ("loop", "dispatch")
+    assert record["copies"] >= 1 and record["mode"] == "loop"
     assert record["decode_bytes"] > record["tokens_read"] > 0
     rows = {r["impl"]: r for r in record["results"]}
     assert {"pallas", "xla", "jax_paged_attention"} <= set(rows)
@@ -1331,3 +1331,15 @@ def test_program_timeline_smoke_wraps_the_kernel_unchanged(tmp_path, config):
     for refused in (DecodeConfig(num_splits=2), DecodeConfig(persistent_programs=4)):
         with pytest.raises(ValueError, match="config="):
             ptl.timed_decode(*args, config=refused, interpret=True)
+
+
+def test_every_shape_runs_its_calls_inside_one_program():
+    """Loop mode for every shape: one needing no rotation (one copy) runs ``loop_ops`` calls per
+    dispatch too, not one (each dispatch would add the gap between two executables to a call)."""
+    text = bench.plan([shape_by_name("b32_ctx4096"), shape_by_name("b1_ctx32768")], ("pallas",),
+                      bench.Settings(), False, 132)
+    rows = {line.split()[0]: line.split()[1:4] for line in text.splitlines()[1:3]}
+    assert rows["b32_ctx4096"] == ["1", "loop", "16"]
+    copies, mode, reps = rows["b1_ctx32768"]
+    assert int(copies) > 1 and mode == "loop" and int(reps) >= 16 and int(reps) % int(copies) == 0
+    assert bench.loop_reps(1, 16) == 16 and bench.loop_reps(3, 16) == 18
