@@ -158,7 +158,7 @@ def _jax_copies(n: int, s, devices) -> dict:
                 raise RuntimeError(f"jitted {name} returned its source buffer: nothing was copied")
             if not np.array_equal(np.asarray(state["dst"][sample]), expected):
                 raise RuntimeError(f"jitted {name} produced wrong values")
-            results[name] = _rate(4 * total, measure(step, 1, _settings(s)))
+            results[name] = _rate(4 * total, measure(step, 1, _copy_settings(s)))
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             results[name] = {"error": describe_error(e)}
         dst = zeros() if state["dst"].is_deleted() else state["dst"]
@@ -183,7 +183,7 @@ def _torch_copy(n: int, s) -> dict | None:
         torch.cuda.synchronize()
         if not torch.equal(dst[-512:], src[-512:]):
             raise RuntimeError("torch's copy produced wrong values")
-        timing = measure(lambda: dst.copy_(src), 1, _settings(s),
+        timing = measure(lambda: dst.copy_(src), 1, _copy_settings(s),
                          sync=lambda _: torch.cuda.synchronize())
         return _rate(4 * n, timing)
     except Exception as e:  # noqa: BLE001
@@ -193,9 +193,19 @@ def _torch_copy(n: int, s) -> dict | None:
         torch.cuda.empty_cache()
 
 
-def _settings(s) -> TimerSettings:
-    return TimerSettings(windows=s.windows, window_s=s.window_s, warmup_s=s.warmup_s,
-                         min_calls=s.min_calls, max_calls=s.max_calls)
+# A copy's windows are this many times as long as ``s.window_s`` (default 10 ms -> 100 ms, 18
+# and 36 calls of a 4 GiB copy on an H100). Each call of the jitted JAX ways times within a few
+# percent of the next (their windows of 3 and 6 calls scattered by +-3% around torch's copy on
+# an H100, whose own windows agreed within 0.2%, 2026-12-05 late night), so their windows must
+# hold many calls for the median to settle; the buffers are donated, so a window's length costs
+# no memory.
+COPY_WINDOW_FACTOR = 10
+
+
+def _copy_settings(s) -> TimerSettings:
+    """The copies' `TimerSettings`: ``s``'s, with windows `COPY_WINDOW_FACTOR` times as long."""
+    return TimerSettings(windows=s.windows, window_s=s.window_s * COPY_WINDOW_FACTOR,
+                         warmup_s=s.warmup_s, min_calls=s.min_calls, max_calls=s.max_calls)
 
 
 # The most a copy way's windows may spread, ``(max - min) / median``, for its rate to count
