@@ -29,6 +29,7 @@ import subprocess
 import sys
 
 from benchmarks.bench import float_at_least, int_at_least
+from benchmarks.timing import COPY_WAYS
 
 # shape name -> (the bar: the Triton kernel's decode bytes over the run's copy bandwidth, what
 # it comes from). fp8 shapes count fp8 bytes (`benchmarks.bench`'s bytes are the cache dtype's).
@@ -93,9 +94,6 @@ def judge(docs: list[dict], shapes: list[str]) -> list[dict]:
             row["verdict"] = "missed (median)"
         rows.append(row)
     return rows
-
-
-COPY_WAYS = ("torch_copy", "copy", "not")  # `timing.measure_copy_bandwidth`'s ways
 
 
 def copy_rates(docs: list[dict]) -> list[float | None]:

@@ -105,6 +105,9 @@ from benchmarks.timing import (Timing, TimerSettings, copy_summary, jsonable, me
 from benchmarks.timing import describe_error as _error
 
 IMPLS = ("pallas", "mosaic", "xla", "jax_paged_attention", "write")
+# How every shape's calls are timed (the records' ``mode``): ``reps`` straight-line calls in one
+# jitted program (`repeated`), never one call per dispatch (see Method above).
+TIMING_MODE = "loop"
 DECODE_IMPLS = ("pallas", "mosaic", "xla", "jax_paged_attention")
 L2_BYTES = 60e6                 # H200 L2
 ROTATE_BYTES = 4 * L2_BYTES     # below this much K/V per call, rotate among input copies
@@ -163,6 +166,25 @@ def tool_setup(smoke: bool, copy_bytes: int = 1 << 30) -> tuple[Settings, bool, 
     copy = measure_copy_bandwidth(1 << 20 if smoke else copy_bytes, s)
     print(f"copy bandwidth {copy_summary(copy)}", flush=True)
     return s, interpret, copy
+
+
+def tool_parser(doc: str, smoke_help: str) -> argparse.ArgumentParser:
+    """A single-purpose timing tool's command line: its module docstring's first line, then
+    ``--shapes`` (comma-separated names), ``--json`` (`write_tool_json`'s path) and ``--smoke``
+    (``smoke_help``); the tool adds its own arguments."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--shapes", default=None, help="comma-separated names")
+    parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--smoke", action="store_true", help=smoke_help)
+    return parser
+
+
+def tool_shape_names(args, shapes, smoke_shapes) -> list[str]:
+    """The shapes a `tool_parser` tool runs: ``--shapes``, else ``smoke_shapes`` with
+    ``--smoke``, else ``shapes``."""
+    if args.shapes:
+        return args.shapes.split(",")
+    return list(smoke_shapes if args.smoke else shapes)
 
 
 def write_tool_json(path: str | None, copy: dict, **fields) -> None:
@@ -578,9 +600,8 @@ class ShapeBench:
         shape, s = self.shape, self.s
         copies = s.copies or rotation_copies(shape, min_bytes=ROTATE_BYTES,
                                              max_copies=s.max_copies)
-        mode = "loop"
         reps = loop_reps(copies, s.loop_ops)
-        self.copies, self.mode, self.reps = copies, mode, reps
+        self.copies, self.reps = copies, reps
         t0 = time.perf_counter()
         inputs = make_decode_inputs(shape, s.seed, copies=copies)
         jax.block_until_ready((inputs.q, inputs.k_cache, inputs.v_cache))
@@ -588,12 +609,12 @@ class ShapeBench:
         q_bytes = shape.batch * shape.num_heads * shape.head_dim * jnp.dtype(
             shape.query_dtype).itemsize
         self.decode_bytes = tokens * shape.kv_bytes_per_token + 2 * q_bytes
-        self.record.update(copies=copies, mode=mode, reps_per_call=reps, tokens_read=tokens,
+        self.record.update(copies=copies, mode=TIMING_MODE, reps_per_call=reps, tokens_read=tokens,
                            decode_bytes=self.decode_bytes, num_blocks=inputs.num_blocks,
                            cache_bytes=2 * inputs.k_cache.size * shape.cache_itemsize,
                            inputs_s=round(time.perf_counter() - t0, 3))
         print(f"[{shape.name}] {shape.describe()}: {copies} cop{'y' if copies == 1 else 'ies'},"
-              f" {mode} mode, {self.decode_bytes / 1e6:.1f} MB read per call", flush=True)
+              f" {TIMING_MODE} mode, {self.decode_bytes / 1e6:.1f} MB read per call", flush=True)
         try:
             if any(i in self.impls for i in DECODE_IMPLS):
                 self._decode(inputs)
@@ -699,7 +720,7 @@ class ShapeBench:
                     skipped.append({"impl": "jax_paged_attention", "label": "-",
                                     "status": "error", "error": _error(e)})
         probe = None
-        if self.mode == "loop" and variants:
+        if variants:
             probe = Variant(impl="probe", label="loop overhead", fn=loop_probe(self.reps),
                             args=(per_call(inputs.q, self.copies, self.reps),
                                   per_call(inputs.block_tables, self.copies, self.reps)),
@@ -766,7 +787,7 @@ class ShapeBench:
         return q_scaled, k_pages, v_pages, scales
 
     def _run_decode(self, v: Variant) -> dict:
-        row = self._row(v, kind="decode", mode=self.mode)
+        row = self._row(v, kind="decode", mode=TIMING_MODE)
         if v.error is None:
             try:
                 out = v.compiled(*v.args)
@@ -1090,7 +1111,7 @@ def format_tables(doc: dict) -> str:
               f" sequences); WRONG above {REL_TOL:g}. vs_jax: best JAX paged_attention time / this"
               " time."]
     loop = [f"{r['name']} ({_fmt(r.get('loop_overhead_us'), '.2f')} us)" for r in doc["shapes"]
-            if r.get("mode") == "loop"]
+            if r.get("mode") == TIMING_MODE]
     if loop:
         lines.append("loop mode (times include slicing the copy's q and table per call, measured"
                      " alone in parentheses): " + ", ".join(loop))
@@ -1391,7 +1412,6 @@ def plan(shapes, impls, s: Settings, tune: bool, sms: int) -> str:
     for shape in shapes:
         copies = s.copies or rotation_copies(shape, min_bytes=ROTATE_BYTES,
                                              max_copies=s.max_copies)
-        mode = "loop"
         reps = loop_reps(copies, s.loop_ops)
         touched = shape.expected_tokens_read() * shape.kv_bytes_per_token
         cache = copies * shape.batch * shape.capacity * shape.kv_bytes_per_token
@@ -1421,7 +1441,7 @@ def plan(shapes, impls, s: Settings, tune: bool, sms: int) -> str:
                  + ("xla" in impls and xla_bytes <= XLA_LIMIT_BYTES)
                  + n_jax + n_write + (tune and s.max_tune_configs))
         total += count
-        lines.append(f"{shape.name:<22} {copies:>6} {mode:<8} {reps:>4} {touched / 1e6:8.1f}"
+        lines.append(f"{shape.name:<22} {copies:>6} {TIMING_MODE:<8} {reps:>4} {touched / 1e6:8.1f}"
                      f" {cache / 1e9:8.2f}  {', '.join(parts)}")
     lines.append(f"compiled variants (at most): {total}")
     return "\n".join(lines)

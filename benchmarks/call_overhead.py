@@ -19,7 +19,6 @@ difference at the ends of the call, which no change to the tile loop can buy bac
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 
@@ -28,7 +27,8 @@ import numpy as np
 
 import pallas_paged as pp
 from benchmarks.bench import (ROTATE_BYTES, Settings, abstract_args, compare, config_label,
-                              parse_decode_config, per_call, tool_setup, write_tool_json)
+                              parse_decode_config, per_call, tool_parser, tool_setup,
+                              tool_shape_names, write_tool_json)
 from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
 from benchmarks.timing import describe_error, measure
 from pallas_paged.decode_attention.api import picked_config
@@ -122,16 +122,12 @@ def run_shape(name: str, contexts, fields: dict, s: Settings, copy_tbps: float,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default=None, help="comma-separated names")
+    parser = tool_parser(__doc__, "tiny shapes in interpret mode (the plumbing, not the speed)")
     parser.add_argument("--contexts", default=None, help="comma-separated context lengths")
     parser.add_argument("--config", default=None, type=parse_decode_config,
                         help="bk64/s1/w8/st5 (any subset): these fields over the picked config")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny shapes in interpret mode (the plumbing, not the speed)")
     args = parser.parse_args(argv)
-    names = args.shapes.split(",") if args.shapes else (SMOKE_SHAPES if args.smoke else SHAPES)
+    names = tool_shape_names(args, SHAPES, SMOKE_SHAPES)
     contexts = ([int(c) for c in args.contexts.split(",")] if args.contexts
                 else (SMOKE_CONTEXTS if args.smoke else CONTEXTS))
     s, interpret, copy = tool_setup(args.smoke)

@@ -44,7 +44,6 @@ calls), as `benchmarks.bench` times its loop mode.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import math
@@ -58,7 +57,8 @@ from jax.experimental.pallas import triton as plgpu
 
 import pallas_paged as pp
 from benchmarks.bench import (ROTATE_BYTES, Settings, compare, config_label, parse_decode_config,
-                              per_call, tool_setup, write_tool_json)
+                              per_call, tool_parser, tool_setup, tool_shape_names,
+                              write_tool_json)
 from benchmarks.timing import (describe_error, kernel_variant, libdevice_exp_variant,
                                measure)
 from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
@@ -397,8 +397,7 @@ def run_shape(name: str, s: Settings, copy_tbps: float, interpret: bool,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default=None, help="comma-separated names")
+    parser = tool_parser(__doc__, "tiny shapes in interpret mode (the plumbing, not the speed)")
     parser.add_argument("--configs", default=None,
                         help="comma-separated shapes that also get config variants (default: all)")
     parser.add_argument("--only", default=None,
@@ -407,11 +406,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", action="append", default=[], type=parse_decode_config,
                         help="bk64/s16/st9/mk1 (any subset): also time the default config with"
                              " these fields (repeatable)")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny shapes in interpret mode (the plumbing, not the speed)")
     args = parser.parse_args(argv)
-    names = args.shapes.split(",") if args.shapes else (SMOKE_SHAPES if args.smoke else SHAPES)
+    names = tool_shape_names(args, SHAPES, SMOKE_SHAPES)
     s, interpret, copy = tool_setup(args.smoke)
     rows = []
     for name in names:

@@ -4,8 +4,9 @@ spread, the tail while the last programs finish, the gap before the next call).
 
 Run ``python -m benchmarks.program_timeline [--shapes b32_ctx4096,mha_b32_ctx4096] [--config
 LABEL] [--dispatch] [--json PATH] [--smoke]``. Each shape runs the Triton grid kernel
-(`pallas_triton._paged_decode_kernel`, unchanged) inside a wrapper that also writes, per program, the global
-timer (``%globaltimer_lo``, ns) when it starts and when its last store is done, and the
+(`pallas_triton._paged_decode_kernel`, unchanged) inside a wrapper that also writes, per
+program, the global timer (``%globaltimer_lo``, ns) when it starts and when its last store is
+done, and the
 multiprocessor it ran on (``%smid``). ``Settings.loop_ops`` calls run back to back in one jitted
 program, each on its own query, as `benchmarks.decode_anatomy` times its rows; the first call's
 output is checked against ``impl="xla"``. Per call (the medians over the calls are printed):
@@ -31,7 +32,6 @@ the kernel (``mk1``), and persistent programs are refused (their own kernel).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import sys
@@ -44,7 +44,8 @@ from jax.experimental.pallas import triton as plgpu
 
 import pallas_paged as pp
 from benchmarks.bench import (ROTATE_BYTES, abstract_args, compare, config_label,
-                              parse_decode_config, per_call, tool_setup, write_tool_json)
+                              parse_decode_config, per_call, tool_parser, tool_setup,
+                              tool_shape_names, write_tool_json)
 from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
 from benchmarks.timing import measure
 from pallas_paged.decode_attention import pallas_triton as decode_triton
@@ -240,17 +241,13 @@ def run_shape(name: str, fields: dict, s, copy_tbps: float, interpret: bool,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default=None, help="comma-separated names")
+    parser = tool_parser(__doc__, "a tiny shape in interpret mode (the wrapper, not the timeline)")
     parser.add_argument("--config", default=None, type=parse_decode_config,
                         help="bk64/s1/w8/st5 (any subset): these fields over the picked config")
     parser.add_argument("--dispatch", action="store_true",
                         help="also the same calls launched one per dispatch (each its own program)")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--smoke", action="store_true",
-                        help="a tiny shape in interpret mode (the wrapper, not the timeline)")
     args = parser.parse_args(argv)
-    names = args.shapes.split(",") if args.shapes else (SMOKE_SHAPES if args.smoke else SHAPES)
+    names = tool_shape_names(args, SHAPES, SMOKE_SHAPES)
     s, interpret, copy = tool_setup(args.smoke)
     results = [run_shape(name, args.config or {}, s, copy["tbps"], interpret, args.dispatch)
                for name in names]

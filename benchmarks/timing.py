@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["COPY_SPREAD_LIMIT", "TimerSettings", "Timing", "copy_ceiling", "copy_summary",
-           "describe_error", "jsonable", "measure", "measure_copy_bandwidth"]
+__all__ = ["COPY_SPREAD_LIMIT", "COPY_WAYS", "TimerSettings", "Timing", "copy_ceiling",
+           "copy_summary", "describe_error", "jsonable", "measure", "measure_copy_bandwidth"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ def describe_error(e: BaseException) -> str:
 
 def _rate(nbytes: int, timing: Timing) -> dict:
     """Bytes read + written per second of one call that copies ``nbytes``, and how far the
-    windows' times spread around their median (``(max - min) / median``, see `COPY_SPREAD_LIMIT`)."""
+    windows' times spread around their median (``(max - min) / median``: `COPY_SPREAD_LIMIT`)."""
     windows = timing.windows_us
     return {"median_us": timing.median_us, "windows_us": windows,
             "spread": (max(windows) - min(windows)) / timing.median_us,
@@ -208,6 +208,8 @@ def _copy_settings(s) -> TimerSettings:
                          warmup_s=s.warmup_s, min_calls=s.min_calls, max_calls=s.max_calls)
 
 
+COPY_WAYS = ("torch_copy", "copy", "not")  # `measure_copy_bandwidth`'s ways, by their keys
+
 # The most a copy way's windows may spread, ``(max - min) / median``, for its rate to count
 # toward the ceiling. The ceiling is the fastest copy the device does, so it must not be the
 # fastest timing error: on the H200 the JAX ways with a fresh output per call spread by 5-100%
@@ -250,11 +252,12 @@ def measure_copy_bandwidth(nbytes: int, s, devices=None) -> dict:
 
 
 def copy_ceiling(ways: dict) -> dict:
-    """The ceiling of `measure_copy_bandwidth`'s ways (entries ``{"tbps", "spread", ...}``; other
-    entries, and failed ways, are skipped): ``{"source", "tbps", "imprecise"}``, the largest rate
-    among the ways whose windows spread by at most `COPY_SPREAD_LIMIT`, or, when none does
-    (``imprecise``), among all; ``tbps`` NaN and ``source`` None when no way measured."""
-    measured = {k: v for k, v in ways.items() if isinstance(v, dict) and "tbps" in v}
+    """The ceiling of `measure_copy_bandwidth`'s result ``ways`` (its `COPY_WAYS` entries
+    ``{"tbps", "spread", ...}``; failed ways are skipped): ``{"source", "tbps", "imprecise"}``,
+    the largest rate among the ways whose windows spread by at most `COPY_SPREAD_LIMIT`, or,
+    when none does (``imprecise``), among all; ``tbps`` NaN and ``source`` None when no way
+    measured."""
+    measured = {k: ways[k] for k in COPY_WAYS if "tbps" in ways.get(k, {})}
     precise = {k: v for k, v in measured.items() if v["spread"] <= COPY_SPREAD_LIMIT}
     rates = {k: v["tbps"] for k, v in (precise or measured).items()}
     if not rates:
@@ -266,8 +269,8 @@ def copy_ceiling(ways: dict) -> dict:
 def copy_summary(result: dict) -> str:
     """`measure_copy_bandwidth`'s result in one line: the ceiling, the way that gave it, then
     every way's rate and windows' spread (``imprecise`` when no way met `COPY_SPREAD_LIMIT`)."""
-    ways = [f"{k} {v['tbps']:.3f} (spread {100 * v['spread']:.1f}%)" if "tbps" in v
-            else f"{k} failed" for k, v in result.items() if isinstance(v, dict)]
+    ways = [f"{k} {result[k]['tbps']:.3f} (spread {100 * result[k]['spread']:.1f}%)"
+            if "tbps" in result[k] else f"{k} failed" for k in COPY_WAYS if k in result]
     flag = "; imprecise" if result.get("imprecise") else ""
     return f"{result['tbps']:.3f} TB/s ({result['source']}{flag}; {', '.join(ways)})"
 
