@@ -7,14 +7,17 @@ the bars' shapes in ``--runs`` separate processes (every other one in reverse sh
 that no shape always runs first or last), samples the GPU's clocks, power and temperatures
 beside them (``nvidia-smi``, when present), and prints per shape every run's fraction of its
 own run's copy bandwidth, their median and range, and the verdict: a bar is **met** when the
-median of the runs meets it, **met in every run** when their minimum does.
+median of the runs meets it, **met in every run** when their minimum does. Beside the fractions
+it gives each shape's median kernel time over the runs, and above them the GPU's identity
+(``nvidia-smi``'s name, UUID, serial, PCI bus and driver): hosts of one device kind differ by
+several percent on the same kernel, so a verdict names the card it was measured on.
 
     PYTHONPATH=. python3 -m benchmarks.bars --runs 3 --out DIR      # GPU: run, then judge
     python3 -m benchmarks.bars --from DIR                           # judge the JSONs of DIR again
 
-``DIR`` gets ``bench_<i>.json`` / ``bench_<i>.txt`` per process, ``smi.csv`` and ``bars.json``
-(the summary). ``--bench-args`` passes extra arguments to every ``bench`` process (e.g.
-``--smoke`` to check the plumbing on a CPU, whose shapes have no bar).
+``DIR`` gets ``bench_<i>.json`` / ``bench_<i>.txt`` per process, ``smi.csv``, ``gpu.txt``
+(the identity) and ``bars.json`` (the summary). ``--bench-args`` passes extra arguments to every
+``bench`` process (e.g. ``--smoke`` to check the plumbing on a CPU, whose shapes have no bar).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SMI_FIELDS = ("timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,temperature.memory,"
               "clocks_event_reasons.active")
+GPU_IDENTITY_FIELDS = "name,uuid,serial,pci.bus_id,driver_version"
 
 
 def run_order(shapes: list[str], run: int) -> list[str]:
@@ -60,30 +64,36 @@ def bench_command(shapes: list[str], json_path: str, extra: list[str]) -> list[s
             ",".join(shapes), "--json", json_path, *extra]
 
 
-def pallas_fraction(doc: dict, shape: str) -> float | None:
-    """The ``impl="pallas"`` row's fraction of copy bandwidth for ``shape`` in one ``bench`` JSON,
-    or None where the shape is absent, errored, or its output was WRONG."""
+def pallas_row(doc: dict, shape: str) -> dict | None:
+    """The ``impl="pallas"`` row of ``shape`` in one ``bench`` JSON that has a fraction of copy
+    bandwidth, or None where the shape is absent, errored, or its output was WRONG."""
     for record in doc.get("shapes", []):
         if record.get("name") != shape:
             continue
         for row in record.get("results", []):
             if (row.get("impl") == "pallas" and row.get("status") == "ok"
                     and row.get("correct", True) and "frac_copy_bw" in row):
-                return float(row["frac_copy_bw"])
+                return row
     return None
 
 
 def judge(docs: list[dict], shapes: list[str]) -> list[dict]:
-    """Per shape: every run's fraction (None where the run has none), their median, min and max
-    over the runs that have one, the bar and the verdicts."""
+    """Per shape: every run's fraction and kernel time (None where the run has none), the
+    fractions' median, min and max over the runs that have one, the times' median, the bar and
+    the verdicts."""
     rows = []
     for shape in shapes:
-        runs = [pallas_fraction(doc, shape) for doc in docs]
+        found = [pallas_row(doc, shape) for doc in docs]
+        runs = [None if r is None else float(r["frac_copy_bw"]) for r in found]
+        times = [None if r is None or "median_us" not in r else float(r["median_us"])
+                 for r in found]
         have = [f for f in runs if f is not None]
+        have_us = [t for t in times if t is not None]
         bar, source = BARS.get(shape, (None, ""))
-        row = {"shape": shape, "runs": runs, "bar": bar, "bar_source": source,
+        row = {"shape": shape, "runs": runs, "us": times, "bar": bar, "bar_source": source,
                "median": statistics.median(have) if have else None,
-               "min": min(have) if have else None, "max": max(have) if have else None}
+               "min": min(have) if have else None, "max": max(have) if have else None,
+               "median_us": statistics.median(have_us) if have_us else None}
         if bar is None or not have:
             row["verdict"] = "no bar" if bar is None else "not measured"
         elif row["min"] >= bar:
@@ -126,7 +136,7 @@ def format_table(rows: list[dict], copies: list, ways: dict | None = None,
                  imprecise: list | None = None) -> str:
     """The verdicts as a Markdown table: the ceiling per run (marked where ``imprecise``; and,
     given ``ways``, each way's rate with its windows' spread), then every shape's runs, median,
-    range, bar, verdict."""
+    range, median kernel time, bar, verdict."""
     def f(x):
         return "-" if x is None else f"{x:.3f}"
 
@@ -140,18 +150,44 @@ def format_table(rows: list[dict], copies: list, ways: dict | None = None,
         return f(cell["tbps"]) + spread
     n = max((len(r["runs"]) for r in rows), default=0)
     head = ("| shape | " + " | ".join(f"run {i + 1}" for i in range(n))
-            + " | median | range | bar | verdict |")
-    lines = [head, "|---|" + "---:|" * (n + 3) + "---|"]
+            + " | median | range | µs (median) | bar | verdict |")
+    lines = [head, "|---|" + "---:|" * (n + 4) + "---|"]
     lines.append("| copy TB/s | " + " | ".join(ceiling_cell(i, c) for i, c in enumerate(copies))
-                 + " | | | | |")
+                 + " | | | | | |")
     for way, cells in (ways or {}).items():
         lines.append(f"| copy TB/s, {way} (spread) | " + " | ".join(way_cell(c) for c in cells)
-                     + " | | | | |")
+                     + " | | | | | |")
     for r in rows:
         spread = "-" if r["min"] is None else f"{r['min']:.3f}-{r['max']:.3f}"
+        us = "-" if r.get("median_us") is None else f"{r['median_us']:.1f}"
         lines.append(f"| `{r['shape']}` | " + " | ".join(f(x) for x in r["runs"])
-                     + f" | {f(r['median'])} | {spread} | {f(r['bar'])} | {r['verdict']} |")
+                     + f" | {f(r['median'])} | {spread} | {us} | {f(r['bar'])} | {r['verdict']} |")
     return "\n".join(lines)
+
+
+def gpu_identity() -> str | None:
+    """This machine's GPUs as ``nvidia-smi`` names them (name, UUID, serial, PCI bus, driver; one
+    line per GPU), or None where there is no ``nvidia-smi`` or it fails."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        done = subprocess.run(["nvidia-smi", f"--query-gpu={GPU_IDENTITY_FIELDS}",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
+def read_gpu_identity(directory: str) -> str | None:
+    """The identity a run of ``directory`` recorded in ``gpu.txt``, or None where it has none."""
+    try:
+        with open(os.path.join(directory, "gpu.txt")) as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
 
 
 def load_runs(directory: str) -> list[dict]:
@@ -173,6 +209,13 @@ def load_runs(directory: str) -> list[dict]:
 def run(out: str, runs: int, shapes: list[str], extra: list[str], timeout_s: float) -> None:
     """``runs`` ``bench`` processes one after another, ``nvidia-smi`` sampling beside them."""
     os.makedirs(out, exist_ok=True)
+    identity = gpu_identity()
+    gpu_path = os.path.join(out, "gpu.txt")
+    if identity is not None:
+        with open(gpu_path, "w") as fh:
+            fh.write(identity + "\n")
+    elif os.path.exists(gpu_path):
+        os.remove(gpu_path)
     smi = smi_log = None
     if shutil.which("nvidia-smi"):
         smi_log = open(os.path.join(out, "smi.csv"), "w")
@@ -222,11 +265,13 @@ def main(argv=None) -> int:
         return 1
     rows = judge(docs, shapes)
     table = format_table(rows, copy_rates(docs), copy_ways(docs), imprecise_runs(docs))
+    gpu = read_gpu_identity(directory)
+    print(f"GPU: {gpu or 'unknown (no nvidia-smi)'}")
     print(table)
     with open(os.path.join(directory, "bars.json"), "w") as fh:
-        json.dump({"rows": rows, "copy_tbps": copy_rates(docs), "copy_ways": copy_ways(docs),
-                   "copy_imprecise": imprecise_runs(docs), "table": table.splitlines()},
-                  fh, indent=1)
+        json.dump({"gpu": gpu, "rows": rows, "copy_tbps": copy_rates(docs),
+                   "copy_ways": copy_ways(docs), "copy_imprecise": imprecise_runs(docs),
+                   "table": table.splitlines()}, fh, indent=1)
     return 0
 
 

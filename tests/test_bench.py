@@ -1161,11 +1161,13 @@ def test_mosaic_interpret_limits_reports_every_case(capsys):
 
 
 def _bars_doc(fractions: dict, copy_tbps: float = 4.2) -> dict:
-    """A bench JSON with one pallas row per shape (None: the row is WRONG)."""
+    """A bench JSON with one pallas row per shape (None: the row is WRONG); each row's kernel
+    time is 100 us over its fraction."""
     shapes = []
     for name, frac in fractions.items():
         row = {"impl": "pallas", "status": "ok", "correct": frac is not None,
-               "frac_copy_bw": 0.5 if frac is None else frac}
+               "frac_copy_bw": 0.5 if frac is None else frac,
+               "median_us": 200.0 if frac is None else 100.0 / frac}
         shapes.append({"name": name, "results": [{"impl": "xla", "status": "ok", "correct": True,
                                                   "frac_copy_bw": 0.1}, row]})
     start = {"torch_copy": {"tbps": copy_tbps - 0.1, "spread": 0.003},
@@ -1186,7 +1188,11 @@ def test_bars_judges_by_the_median_and_the_minimum_of_the_runs():
     assert rows["b1_ctx32768"]["median"] == 0.81 and rows["b1_ctx32768"]["min"] == 0.79
     assert rows["b1_ctx32768"]["verdict"] == "met (median)"      # 0.80: one run under it
     assert rows["b32_ctx4096"]["verdict"] == "missed (median)"   # 0.97: median 0.965
+    assert rows["b32_ctx4096"]["us"] == pytest.approx([100 / 0.96, 100 / 0.98, 100 / 0.965, None])
+    assert rows["b32_ctx4096"]["median_us"] == pytest.approx(100 / 0.965)
     assert rows["fp8_b8_ctx16384"]["runs"] == [None, 0.86, None, None]  # a WRONG row never counts
+    assert rows["fp8_b8_ctx16384"]["us"] == [None, pytest.approx(100 / 0.86), None, None]
+    assert rows["b256_ctx512"]["median_us"] is None
     assert rows["fp8_b8_ctx16384"]["verdict"] == "met in every run"
     assert rows["b256_ctx512"]["verdict"] == "not measured"
     assert rows["small_b2_ctx64"]["verdict"] == "no bar"
@@ -1194,7 +1200,9 @@ def test_bars_judges_by_the_median_and_the_minimum_of_the_runs():
     assert bars.imprecise_runs(docs) == [False, False, True, False]
     table = bars.format_table(list(rows.values()), bars.copy_rates(docs), bars.copy_ways(docs),
                               bars.imprecise_runs(docs))
-    assert "| `b1_ctx32768` | 0.810 | 0.790 | 0.820 | - | 0.810 | 0.790-0.820 | 0.800 |" in table
+    assert ("| `b1_ctx32768` | 0.810 | 0.790 | 0.820 | - | 0.810 | 0.790-0.820 | 123.5 | 0.800 |"
+            in table)
+    assert "| `b256_ctx512` | - | - | - | - | - | - | - | 0.880 | not measured |" in table
     # the ceiling and each way with its windows' spread, per run (the JAX copy measured by none)
     assert "| copy TB/s | 4.200 | 4.200 | 4.200 (imprecise) | - |" in table
     assert "| copy TB/s, torch_copy (spread) | 4.100 (0.3%) | 4.100 (0.3%) | 4.100 (0.3%) | - |" \
@@ -1216,13 +1224,21 @@ def test_bars_runs_bench_processes_in_alternating_order(tmp_path, monkeypatch):
     assert [d["meta"]["argv"][d["meta"]["argv"].index("--shapes") + 1] for d in docs] == [
         shapes, "small_mha_b2_ctx64,small_b2_ctx64"]
     with open(out / "bars.json") as f:
-        rows = {r["shape"]: r for r in json.load(f)["rows"]}
+        summary = json.load(f)
+    rows = {r["shape"]: r for r in summary["rows"]}
     assert rows["small_b2_ctx64"]["verdict"] == "met in every run"
     assert rows["small_mha_b2_ctx64"]["verdict"] == "missed (median)"
     assert all(f is not None and f > 0 for r in rows.values() for f in r["runs"])
+    assert all(t is not None and t > 0 for r in rows.values() for t in r["us"])
+    if bars.gpu_identity() is None:  # no nvidia-smi here: nothing recorded
+        assert summary["gpu"] is None and not (out / "gpu.txt").exists()
+    else:
+        assert summary["gpu"] == (out / "gpu.txt").read_text().strip()
     (out / "bars.json").unlink()
+    (out / "gpu.txt").write_text("NVIDIA H200, GPU-1234, 1650, 00000000:19:00.0, 580.1\n")
     assert bars.main(["--from", str(out), "--shapes", shapes]) == 0
-    assert (out / "bars.json").exists()
+    with open(out / "bars.json") as f:
+        assert json.load(f)["gpu"] == "NVIDIA H200, GPU-1234, 1650, 00000000:19:00.0, 580.1"
 
 
 @pytest.mark.parametrize("argv", [["--runs", "0", "--out", "x"], ["--timeout", "0", "--out", "x"],
