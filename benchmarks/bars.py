@@ -10,7 +10,11 @@ own run's copy bandwidth, their median and range, and the verdict: a bar is **me
 median of the runs meets it, **met in every run** when their minimum does. Beside the fractions
 it gives each shape's median kernel time over the runs, and above them the GPU's identity
 (``nvidia-smi``'s name, UUID, serial, PCI bus and driver): hosts of one device kind differ by
-several percent on the same kernel, so a verdict names the card it was measured on.
+several percent on the same kernel, so a verdict names the card it was measured on. The bars
+are fractions that peers reached on an NVIDIA H200 (`BARS_DEVICE`): on any other GPU (or where
+the GPU is unknown) the table is printed under a line saying it is not a verdict, and
+``--require-bars-device`` stops before running anything there (exit status 3), so a script
+that may be handed another device kind spends no time on it.
 
     PYTHONPATH=. python3 -m benchmarks.bars --runs 3 --out DIR      # GPU: run, then judge
     python3 -m benchmarks.bars --from DIR                           # judge the JSONs of DIR again
@@ -18,6 +22,8 @@ several percent on the same kernel, so a verdict names the card it was measured 
 ``DIR`` gets ``bench_<i>.json`` / ``bench_<i>.txt`` per process, ``smi.csv``, ``gpu.txt``
 (the identity) and ``bars.json`` (the summary). ``--bench-args`` passes extra arguments to every
 ``bench`` process (e.g. ``--smoke`` to check the plumbing on a CPU, whose shapes have no bar).
+``bars.json`` also says whether the run's GPU is the bars' device (``on_bars_device``: true,
+false, or null where no identity was recorded).
 """
 
 from __future__ import annotations
@@ -45,6 +51,11 @@ BARS: dict[str, tuple[float, str]] = {
     "fp8_b32_ctx4096": (0.85, "fp8 bytes"),
     "fp8_b8_ctx16384": (0.85, "fp8 bytes"),
 }
+
+# The device of the issue's peer table, where the bars were measured: nvidia-smi's name of the GPU.
+BARS_DEVICE = "NVIDIA H200"
+# `main`'s exit status when ``--require-bars-device`` finds another GPU and runs nothing.
+EXIT_NOT_BARS_DEVICE = 3
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -190,6 +201,25 @@ def read_gpu_identity(directory: str) -> str | None:
         return None
 
 
+def on_bars_device(identity: str | None) -> bool | None:
+    """Whether every GPU of ``identity`` (`gpu_identity`'s lines, name first) is named exactly
+    `BARS_DEVICE` (another model, e.g. an "NVIDIA H200 NVL", has its own clocks and no `TUNED`
+    entry); None where there is no identity."""
+    if not identity:
+        return None
+    names = [line.split(",")[0].strip() for line in identity.splitlines() if line.strip()]
+    return all(n == BARS_DEVICE for n in names)
+
+
+def device_line(identity: str | None) -> str:
+    """The line above the table: whether its met and missed are a verdict on the bars."""
+    where = identity.splitlines()[0].split(",")[0].strip() if identity else "unknown"
+    if on_bars_device(identity):
+        return f"Verdict: the bars were measured on an {BARS_DEVICE}, and so was this run."
+    return (f"Not a verdict: the bars are fractions peers reached on an {BARS_DEVICE}; this "
+            f"run's GPU is {where}.")
+
+
 def load_runs(directory: str) -> list[dict]:
     """The ``bench_<i>.json`` documents of ``directory``, in run order (a run whose process
     wrote no JSON counts as an empty document)."""
@@ -252,11 +282,21 @@ def main(argv=None) -> int:
     p.add_argument("--bench-args", default="", help="extra arguments of every bench process")
     p.add_argument("--timeout", type=float_at_least(0.0, strict=True), default=300.0,
                    help="seconds per bench process")
+    p.add_argument("--require-bars-device", action="store_true",
+                   help=f"run only on an {BARS_DEVICE} (the bars' device); on any other GPU, or "
+                        f"none, print why and exit {EXIT_NOT_BARS_DEVICE} having run nothing")
     args = p.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     if args.from_dir is None and args.out is None:
         p.error("give --out DIR (run, then judge) or --from DIR (judge only)")
+    if args.require_bars_device and args.from_dir is not None:
+        p.error("--require-bars-device applies to a run (--out), not to --from")
     directory = args.from_dir or args.out
+    if args.require_bars_device:
+        identity = gpu_identity()
+        if not on_bars_device(identity):
+            print(f"{device_line(identity)} Nothing was run (--require-bars-device).")
+            return EXIT_NOT_BARS_DEVICE
     if args.from_dir is None:
         run(args.out, args.runs, shapes, shlex.split(args.bench_args), args.timeout)
     docs = load_runs(directory)
@@ -267,9 +307,11 @@ def main(argv=None) -> int:
     table = format_table(rows, copy_rates(docs), copy_ways(docs), imprecise_runs(docs))
     gpu = read_gpu_identity(directory)
     print(f"GPU: {gpu or 'unknown (no nvidia-smi)'}")
+    print(device_line(gpu))
     print(table)
     with open(os.path.join(directory, "bars.json"), "w") as fh:
-        json.dump({"gpu": gpu, "rows": rows, "copy_tbps": copy_rates(docs),
+        json.dump({"gpu": gpu, "bars_device": BARS_DEVICE, "on_bars_device": on_bars_device(gpu),
+                   "rows": rows, "copy_tbps": copy_rates(docs),
                    "copy_ways": copy_ways(docs), "copy_imprecise": imprecise_runs(docs),
                    "table": table.splitlines()}, fh, indent=1)
     return 0

@@ -1238,13 +1238,85 @@ def test_bars_runs_bench_processes_in_alternating_order(tmp_path, monkeypatch):
     (out / "gpu.txt").write_text("NVIDIA H200, GPU-1234, 1650, 00000000:19:00.0, 580.1\n")
     assert bars.main(["--from", str(out), "--shapes", shapes]) == 0
     with open(out / "bars.json") as f:
-        assert json.load(f)["gpu"] == "NVIDIA H200, GPU-1234, 1650, 00000000:19:00.0, 580.1"
+        summary = json.load(f)
+    assert summary["gpu"] == "NVIDIA H200, GPU-1234, 1650, 00000000:19:00.0, 580.1"
+    assert summary["bars_device"] == "NVIDIA H200" and summary["on_bars_device"] is True
+
+
+H100 = "NVIDIA H100 80GB HBM3, GPU-e22a, 1652, 00000000:00:06.0, 580.159.04"
+H200 = "NVIDIA H200, GPU-1234, 1650, 00000000:19:00.0, 580.1"
+
+
+def test_bars_say_whether_the_gpu_is_the_bars_device():
+    """Only a GPU named exactly as the bars' device gives a verdict; every GPU of a multi-GPU
+    identity must be one; no identity is neither."""
+    from benchmarks import bars
+    assert bars.on_bars_device(H200) is True
+    assert bars.on_bars_device(H200 + "\n" + H200) is True
+    assert bars.on_bars_device(H100) is False
+    assert bars.on_bars_device(H200 + "\n" + H100) is False
+    assert bars.on_bars_device("NVIDIA H200 NVL, GPU-9, 1, 0:1, 580") is False
+    assert bars.on_bars_device(None) is None and bars.on_bars_device("") is None
+    assert bars.device_line(H200).startswith("Verdict:")
+    assert bars.device_line(H100) == ("Not a verdict: the bars are fractions peers reached on an "
+                                      "NVIDIA H200; this run's GPU is NVIDIA H100 80GB HBM3.")
+    assert bars.device_line(None).endswith("this run's GPU is unknown.")
+
+
+def test_bars_from_another_gpu_are_not_a_verdict(tmp_path, capsys):
+    """``--from`` a run recorded on an H100: the table comes under the line that says so, and
+    ``bars.json`` records it."""
+    from benchmarks import bars
+    (tmp_path / "bench_1.json").write_text(json.dumps(_bars_doc({"b32_ctx4096": 0.99})))
+    (tmp_path / "gpu.txt").write_text(H100 + "\n")
+    assert bars.main(["--from", str(tmp_path), "--shapes", "b32_ctx4096"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"GPU: {H100}" and lines[1].startswith("Not a verdict:")
+    with open(tmp_path / "bars.json") as f:
+        assert json.load(f)["on_bars_device"] is False
+
+
+@pytest.mark.parametrize("identity", [H100, None])
+def test_bars_require_the_bars_device_before_running(identity, tmp_path, monkeypatch, capsys):
+    """``--require-bars-device`` on another GPU, or with none: exit 3, no process run, no file."""
+    from benchmarks import bars
+    monkeypatch.setattr(bars, "gpu_identity", lambda: identity)
+    monkeypatch.setattr(bars, "run", lambda *a, **k: pytest.fail("ran on the wrong device"))
+    out = tmp_path / "bars"
+    assert bars.main(["--out", str(out), "--require-bars-device"]) == bars.EXIT_NOT_BARS_DEVICE
+    assert "Nothing was run (--require-bars-device)." in capsys.readouterr().out
+    assert not out.exists()
+
+
+def test_bars_require_the_bars_device_runs_on_it(tmp_path, monkeypatch, capsys):
+    """``--require-bars-device`` on the bars' device: the runs go ahead and are a verdict."""
+    from benchmarks import bars
+    runs = []
+
+    def fake_run(out, n, shapes, extra, timeout_s):
+        runs.append(shapes)
+        os.makedirs(out)
+        with open(os.path.join(out, "gpu.txt"), "w") as f:
+            f.write(H200 + "\n")
+        with open(os.path.join(out, "bench_1.json"), "w") as f:
+            json.dump(_bars_doc({"b32_ctx4096": 0.98}), f)
+
+    monkeypatch.setattr(bars, "gpu_identity", lambda: H200)
+    monkeypatch.setattr(bars, "run", fake_run)
+    out = tmp_path / "bars"
+    assert bars.main(["--out", str(out), "--shapes", "b32_ctx4096",
+                      "--require-bars-device"]) == 0
+    assert runs == [["b32_ctx4096"]]
+    printed = capsys.readouterr().out
+    assert "Verdict: the bars were measured on an NVIDIA H200" in printed
+    assert "| `b32_ctx4096` | 0.980 |" in printed and "met in every run" in printed
 
 
 @pytest.mark.parametrize("argv", [["--runs", "0", "--out", "x"], ["--timeout", "0", "--out", "x"],
-                                  ["--runs", "2"]])
+                                  ["--runs", "2"], ["--from", "x", "--require-bars-device"]])
 def test_bars_usage_errors(argv, capsys):
-    """No runs, no time per run, or neither ``--out`` nor ``--from``: a usage error (exit 2)."""
+    """No runs, no time per run, neither ``--out`` nor ``--from``, or a device requirement on
+    runs already made: a usage error (exit 2)."""
     from benchmarks import bars
     with pytest.raises(SystemExit) as e:
         bars.main(argv)
