@@ -201,19 +201,22 @@ def read_gpu_identity(directory: str) -> str | None:
         return None
 
 
+def gpu_names(identity: str | None) -> list[str]:
+    """The GPU names of ``identity`` (`gpu_identity`'s lines, name first), one per GPU."""
+    return [line.split(",")[0].strip() for line in (identity or "").splitlines() if line.strip()]
+
+
 def on_bars_device(identity: str | None) -> bool | None:
-    """Whether every GPU of ``identity`` (`gpu_identity`'s lines, name first) is named exactly
-    `BARS_DEVICE` (another model, e.g. an "NVIDIA H200 NVL", has its own clocks and no `TUNED`
-    entry); None where there is no identity."""
-    if not identity:
-        return None
-    names = [line.split(",")[0].strip() for line in identity.splitlines() if line.strip()]
-    return all(n == BARS_DEVICE for n in names)
+    """Whether every GPU of ``identity`` is named exactly `BARS_DEVICE` (another model, e.g. an
+    "NVIDIA H200 NVL", has its own clocks and no `TUNED` entry); None where there is no
+    identity."""
+    names = gpu_names(identity)
+    return all(n == BARS_DEVICE for n in names) if names else None
 
 
 def device_line(identity: str | None) -> str:
     """The line above the table: whether its met and missed are a verdict on the bars."""
-    where = identity.splitlines()[0].split(",")[0].strip() if identity else "unknown"
+    where = (gpu_names(identity) or ["unknown"])[0]
     if on_bars_device(identity):
         return f"Verdict: the bars were measured on an {BARS_DEVICE}, and so was this run."
     return (f"Not a verdict: the bars are fractions peers reached on an {BARS_DEVICE}; this "
@@ -236,10 +239,11 @@ def load_runs(directory: str) -> list[dict]:
     return docs
 
 
-def run(out: str, runs: int, shapes: list[str], extra: list[str], timeout_s: float) -> None:
-    """``runs`` ``bench`` processes one after another, ``nvidia-smi`` sampling beside them."""
+def run(out: str, runs: int, shapes: list[str], extra: list[str], timeout_s: float,
+        identity: str | None) -> None:
+    """``runs`` ``bench`` processes one after another, ``nvidia-smi`` sampling beside them;
+    ``identity`` (`gpu_identity`) is recorded in ``gpu.txt``."""
     os.makedirs(out, exist_ok=True)
-    identity = gpu_identity()
     gpu_path = os.path.join(out, "gpu.txt")
     if identity is not None:
         with open(gpu_path, "w") as fh:
@@ -292,13 +296,12 @@ def main(argv=None) -> int:
     if args.require_bars_device and args.from_dir is not None:
         p.error("--require-bars-device applies to a run (--out), not to --from")
     directory = args.from_dir or args.out
-    if args.require_bars_device:
+    if args.from_dir is None:
         identity = gpu_identity()
-        if not on_bars_device(identity):
+        if args.require_bars_device and not on_bars_device(identity):
             print(f"{device_line(identity)} Nothing was run (--require-bars-device).")
             return EXIT_NOT_BARS_DEVICE
-    if args.from_dir is None:
-        run(args.out, args.runs, shapes, shlex.split(args.bench_args), args.timeout)
+        run(args.out, args.runs, shapes, shlex.split(args.bench_args), args.timeout, identity)
     docs = load_runs(directory)
     if not docs:
         print(f"no bench_<i>.json in {directory}", file=sys.stderr)

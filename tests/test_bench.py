@@ -1293,7 +1293,7 @@ def test_bars_require_the_bars_device_runs_on_it(tmp_path, monkeypatch, capsys):
     from benchmarks import bars
     runs = []
 
-    def fake_run(out, n, shapes, extra, timeout_s):
+    def fake_run(out, n, shapes, extra, timeout_s, identity):
         runs.append(shapes)
         os.makedirs(out)
         with open(os.path.join(out, "gpu.txt"), "w") as f:
