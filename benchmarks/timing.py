@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["COPY_SPREAD_LIMIT", "COPY_WAYS", "TimerSettings", "Timing", "copy_ceiling",
-           "copy_summary", "describe_error", "jsonable", "measure", "measure_copy_bandwidth"]
+__all__ = ["COPY_SPREAD_LIMIT", "COPY_WAYS", "READ_WAYS", "TimerSettings", "Timing", "copy_ceiling",
+           "copy_summary", "describe_error", "jsonable", "measure", "measure_copy_bandwidth",
+           "measure_read_bandwidth", "read_summary"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,13 +111,14 @@ def describe_error(e: BaseException) -> str:
     return text if len(text) <= 2000 else text[:2000] + " ..."
 
 
-def _rate(nbytes: int, timing: Timing) -> dict:
-    """Bytes read + written per second of one call that copies ``nbytes``, and how far the
-    windows' times spread around their median (``(max - min) / median``: `COPY_SPREAD_LIMIT`)."""
+def _rate(nbytes: int, timing: Timing, passes: int = 2) -> dict:
+    """Bytes moved per second of one call that passes over ``nbytes`` ``passes`` times (a copy
+    reads and writes them: 2; a sum reads them: 1), and how far the windows' times spread
+    around their median (``(max - min) / median``: `COPY_SPREAD_LIMIT`)."""
     windows = timing.windows_us
     return {"median_us": timing.median_us, "windows_us": windows,
             "spread": (max(windows) - min(windows)) / timing.median_us,
-            "tbps": 2 * nbytes / (timing.median_us * 1e-6) / 1e12}
+            "tbps": passes * nbytes / (timing.median_us * 1e-6) / 1e12}
 
 
 def _jax_copies(n: int, s, devices) -> dict:
@@ -273,6 +275,69 @@ def copy_summary(result: dict) -> str:
             if "tbps" in result[k] else f"{k} failed" for k in COPY_WAYS if k in result]
     flag = "; imprecise" if result.get("imprecise") else ""
     return f"{result['tbps']:.3f} TB/s ({result['source']}{flag}; {', '.join(ways)})"
+
+
+READ_WAYS = ("torch_sum", "sum")  # `measure_read_bandwidth`'s ways, by their keys
+
+
+def _counts(total: float, n: int) -> bool:
+    """Whether a float32 sum of ``n`` ones is ``n``, up to float32's rounding of partial sums
+    past 2**24 (relative 1e-5)."""
+    return abs(total - n) <= 1e-5 * n
+
+
+def measure_read_bandwidth(nbytes: int, s) -> dict:
+    """The streaming read rate (TB/s of bytes read) over ``nbytes`` on the first device: a sum of
+    ``nbytes / 4`` float32 ones to one number, by torch (``torch_sum``, when torch sees a CUDA
+    GPU) and by a jitted ``jnp.sum`` (``sum``), each checked against the count. Not a ceiling
+    of this project's figures (those are fractions of `measure_copy_bandwidth`): it says how far
+    above a copy a kernel that only reads can go on this device (decode reads its K/V and writes
+    almost nothing, so its fraction of the copy can exceed 1).
+
+    Returns:
+      ``{"bytes", "torch_sum"?, "sum", "tbps", "source"}``: each way's median time, windows,
+      spread and rate (or its error); ``tbps`` the largest rate among the ways whose windows
+      spread by at most `COPY_SPREAD_LIMIT` (NaN when none did), and its way. Never raises.
+    """
+    n = max(1024, nbytes // 4)
+    result = {"bytes": 4 * n}
+
+    try:
+        ones = jnp.ones(n, jnp.float32)
+        total = jax.jit(jnp.sum)
+        if not _counts(float(total(ones)), n):
+            raise RuntimeError(f"jitted sum of {n} ones gave {float(total(ones))}")
+        result["sum"] = _rate(4 * n, measure(lambda: total(ones), 1, _copy_settings(s)), 1)
+        ones.delete()
+    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+        result["sum"] = {"error": describe_error(e)}
+    try:
+        import torch
+        if torch.cuda.is_available():
+            ones = torch.ones(n, dtype=torch.float32, device="cuda")
+            if not _counts(float(ones.sum()), n):
+                raise RuntimeError(f"torch's sum of {n} ones gave {float(ones.sum())}")
+            timing = measure(ones.sum, 1, _copy_settings(s),
+                             sync=lambda _: torch.cuda.synchronize())
+            result["torch_sum"] = _rate(4 * n, timing, 1)
+            ones = None
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+    except Exception as e:  # noqa: BLE001
+        result["torch_sum"] = {"error": describe_error(e)}
+    precise = {k: result[k]["tbps"] for k in READ_WAYS
+               if "tbps" in result.get(k, {}) and result[k]["spread"] <= COPY_SPREAD_LIMIT}
+    source = max(precise, key=precise.get) if precise else None
+    result.update(source=source, tbps=precise[source] if precise else float("nan"))
+    return result
+
+
+def read_summary(result: dict) -> str:
+    """`measure_read_bandwidth`'s result in one line: the rate, its way, every way's rate."""
+    ways = [f"{k} {result[k]['tbps']:.3f} (spread {100 * result[k]['spread']:.1f}%)"
+            if "tbps" in result[k] else f"{k} failed" for k in READ_WAYS if k in result]
+    return f"{result['tbps']:.3f} TB/s read ({result['source']}; {', '.join(ways)})"
 
 
 def jsonable(x):

@@ -781,6 +781,49 @@ def test_copy_bandwidth_tool_prints_and_writes_every_way(tmp_path, capsys):
         copy_bandwidth.main(["--gib", "0"])
 
 
+def test_read_bandwidth_sums_the_bytes_once():
+    """`measure_read_bandwidth`: the jitted sum's rate counts each byte once (half a copy's count
+    for the same time), its windows and spread as the copy's ways; torch's way only on a GPU."""
+    from benchmarks.timing import READ_WAYS, TimerSettings, measure_read_bandwidth
+    s = TimerSettings(windows=3, window_s=0.0, warmup_s=0.0, min_calls=1, max_calls=8)
+    result = measure_read_bandwidth(1 << 20, s)
+    assert result["bytes"] == 1 << 20
+    assert "torch_sum" not in result or jax.default_backend() == "gpu"
+    way = result["sum"]
+    assert len(way["windows_us"]) == 3
+    assert way["tbps"] == pytest.approx((1 << 20) / (way["median_us"] * 1e-6) / 1e12)
+    precise = [k for k in READ_WAYS if k in result and result[k]["spread"] <= 0.05]
+    if precise:
+        assert result["source"] in precise
+        assert result["tbps"] == max(result[k]["tbps"] for k in precise)
+    else:
+        assert result["source"] is None and math.isnan(result["tbps"])
+
+
+def test_read_bandwidth_records_a_wrong_sum(monkeypatch):
+    """A way whose sum is not the count of what it read is an error in the result, not a rate."""
+    from benchmarks import timing
+    monkeypatch.setattr(timing.jnp, "sum", lambda x: x[:-1024].sum())
+    s = timing.TimerSettings(windows=2, window_s=0.0, warmup_s=0.0, min_calls=1, max_calls=2)
+    result = timing.measure_read_bandwidth(1 << 20, s)
+    assert "gave" in result["sum"]["error"] and "tbps" not in result["sum"]
+
+
+def test_copy_bandwidth_tool_reads_too(tmp_path, capsys):
+    """``copy_bandwidth --read``: a second line with the read rate and its ratio to the copy, and
+    the measurement under ``read`` in the JSON."""
+    from benchmarks import copy_bandwidth
+
+    path = tmp_path / "copy.json"
+    assert copy_bandwidth.main(["--smoke", "--read", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    read = doc["read"]
+    assert read["bytes"] == 1 << 20 and _finite_positive(read["sum"]["tbps"])
+    assert f"sum {read['sum']['tbps']:.3f} (spread " in out
+    assert "read rate over 0.001 GiB:" in out and "of the copy" in out
+
+
 def test_copy_ceiling_is_the_fastest_way_whose_windows_agree():
     """A way whose windows spread past `COPY_SPREAD_LIMIT` does not set the ceiling however fast
     its median; with no precise way, the largest of all, flagged."""
