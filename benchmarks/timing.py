@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["COPY_SPREAD_LIMIT", "COPY_WAYS", "READ_WAYS", "TimerSettings", "Timing", "copy_ceiling",
-           "copy_summary", "describe_error", "jsonable", "measure", "measure_copy_bandwidth",
-           "measure_read_bandwidth", "read_summary"]
+__all__ = ["COPY_SPREAD_LIMIT", "COPY_WAYS", "READ_WAYS", "TimerSettings", "Timing",
+           "copy_ceiling", "copy_summary", "describe_error", "jsonable", "measure",
+           "measure_copy_bandwidth", "measure_read_bandwidth", "read_summary"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,13 +253,13 @@ def measure_copy_bandwidth(nbytes: int, s, devices=None) -> dict:
     return result
 
 
-def copy_ceiling(ways: dict) -> dict:
-    """The ceiling of `measure_copy_bandwidth`'s result ``ways`` (its `COPY_WAYS` entries
+def copy_ceiling(ways: dict, keys: tuple = COPY_WAYS) -> dict:
+    """The ceiling of `measure_copy_bandwidth`'s result ``ways`` (its ``keys`` entries
     ``{"tbps", "spread", ...}``; failed ways are skipped): ``{"source", "tbps", "imprecise"}``,
     the largest rate among the ways whose windows spread by at most `COPY_SPREAD_LIMIT`, or,
     when none does (``imprecise``), among all; ``tbps`` NaN and ``source`` None when no way
-    measured."""
-    measured = {k: ways[k] for k in COPY_WAYS if "tbps" in ways.get(k, {})}
+    measured. `measure_read_bandwidth` picks its rate by the same rule (``keys=READ_WAYS``)."""
+    measured = {k: ways[k] for k in keys if "tbps" in ways.get(k, {})}
     precise = {k: v for k, v in measured.items() if v["spread"] <= COPY_SPREAD_LIMIT}
     rates = {k: v["tbps"] for k, v in (precise or measured).items()}
     if not rates:
@@ -268,11 +268,12 @@ def copy_ceiling(ways: dict) -> dict:
     return {"source": source, "tbps": rates[source], "imprecise": not precise}
 
 
-def copy_summary(result: dict) -> str:
+def copy_summary(result: dict, keys: tuple = COPY_WAYS) -> str:
     """`measure_copy_bandwidth`'s result in one line: the ceiling, the way that gave it, then
-    every way's rate and windows' spread (``imprecise`` when no way met `COPY_SPREAD_LIMIT`)."""
+    every way's rate and windows' spread (``imprecise`` when no way met `COPY_SPREAD_LIMIT`);
+    ``keys``: the ways to show."""
     ways = [f"{k} {result[k]['tbps']:.3f} (spread {100 * result[k]['spread']:.1f}%)"
-            if "tbps" in result[k] else f"{k} failed" for k in COPY_WAYS if k in result]
+            if "tbps" in result[k] else f"{k} failed" for k in keys if k in result]
     flag = "; imprecise" if result.get("imprecise") else ""
     return f"{result['tbps']:.3f} TB/s ({result['source']}{flag}; {', '.join(ways)})"
 
@@ -295,9 +296,9 @@ def measure_read_bandwidth(nbytes: int, s) -> dict:
     almost nothing, so its fraction of the copy can exceed 1).
 
     Returns:
-      ``{"bytes", "torch_sum"?, "sum", "tbps", "source"}``: each way's median time, windows,
-      spread and rate (or its error); ``tbps`` the largest rate among the ways whose windows
-      spread by at most `COPY_SPREAD_LIMIT` (NaN when none did), and its way. Never raises.
+      ``{"bytes", "torch_sum"?, "sum", "tbps", "source", "imprecise"}``: each way's median time,
+      windows, spread and rate (or its error); ``tbps``, ``source`` and ``imprecise`` as
+      `copy_ceiling` picks them among these ways. Never raises.
     """
     n = max(1024, nbytes // 4)
     result = {"bytes": 4 * n}
@@ -326,18 +327,13 @@ def measure_read_bandwidth(nbytes: int, s) -> dict:
         pass
     except Exception as e:  # noqa: BLE001
         result["torch_sum"] = {"error": describe_error(e)}
-    precise = {k: result[k]["tbps"] for k in READ_WAYS
-               if "tbps" in result.get(k, {}) and result[k]["spread"] <= COPY_SPREAD_LIMIT}
-    source = max(precise, key=precise.get) if precise else None
-    result.update(source=source, tbps=precise[source] if precise else float("nan"))
+    result.update(copy_ceiling(result, READ_WAYS))
     return result
 
 
 def read_summary(result: dict) -> str:
-    """`measure_read_bandwidth`'s result in one line: the rate, its way, every way's rate."""
-    ways = [f"{k} {result[k]['tbps']:.3f} (spread {100 * result[k]['spread']:.1f}%)"
-            if "tbps" in result[k] else f"{k} failed" for k in READ_WAYS if k in result]
-    return f"{result['tbps']:.3f} TB/s read ({result['source']}; {', '.join(ways)})"
+    """`measure_read_bandwidth`'s result in one line, as `copy_summary` writes a copy's."""
+    return copy_summary(result, READ_WAYS).replace(" TB/s (", " TB/s read (", 1)
 
 
 def jsonable(x):

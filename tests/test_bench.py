@@ -784,7 +784,8 @@ def test_copy_bandwidth_tool_prints_and_writes_every_way(tmp_path, capsys):
 def test_read_bandwidth_sums_the_bytes_once():
     """`measure_read_bandwidth`: the jitted sum's rate counts each byte once (half a copy's count
     for the same time), its windows and spread as the copy's ways; torch's way only on a GPU."""
-    from benchmarks.timing import READ_WAYS, TimerSettings, measure_read_bandwidth
+    from benchmarks.timing import (READ_WAYS, TimerSettings, copy_ceiling, measure_read_bandwidth,
+                                   read_summary)
     s = TimerSettings(windows=3, window_s=0.0, warmup_s=0.0, min_calls=1, max_calls=8)
     result = measure_read_bandwidth(1 << 20, s)
     assert result["bytes"] == 1 << 20
@@ -792,12 +793,10 @@ def test_read_bandwidth_sums_the_bytes_once():
     way = result["sum"]
     assert len(way["windows_us"]) == 3
     assert way["tbps"] == pytest.approx((1 << 20) / (way["median_us"] * 1e-6) / 1e12)
-    precise = [k for k in READ_WAYS if k in result and result[k]["spread"] <= 0.05]
-    if precise:
-        assert result["source"] in precise
-        assert result["tbps"] == max(result[k]["tbps"] for k in precise)
-    else:
-        assert result["source"] is None and math.isnan(result["tbps"])
+    assert {k: result[k] for k in ("source", "tbps", "imprecise")} == \
+        copy_ceiling(result, READ_WAYS)
+    assert result["source"] in READ_WAYS
+    assert read_summary(result).startswith(f"{result['tbps']:.3f} TB/s read ({result['source']}")
 
 
 def test_read_bandwidth_records_a_wrong_sum(monkeypatch):
