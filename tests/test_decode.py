@@ -477,6 +477,21 @@ def test_heuristic_config_of_the_measured_shapes(batch, capacity, cache_dtype, e
     assert get_heuristic_config(_decode_shape(batch, capacity, cache_dtype), 132) == expected
 
 
+@pytest.mark.parametrize("cache_dtype,head_dim,block_k", [
+    ("bfloat16", 256, 64), ("float16", 192, 64),  # 16-bit rows past 128 columns: K + V 64 KiB
+    ("bfloat16", 128, 64),  # 128 columns: the 32 KiB rule
+    ("float32", 256, 16), ("float8_e4m3fn", 256, 64),  # other widths keep the 32 KiB rule
+])
+def test_heuristic_tile_of_wide_rows(cache_dtype, head_dim, block_k):
+    """16-bit rows of 129-256 columns get 64-token tiles (`configs.WIDE_ROW_TILE_BYTES`) and 8
+    warps; 32-token tiles ran 1.2-1.5x slower at head_dim 256 (docs/BENCHMARKS.md)."""
+    from pallas_paged.decode_attention.configs import get_heuristic_config
+    config = get_heuristic_config(
+        _decode_shape(32, 4096, cache_dtype, head_dim=head_dim), 132)
+    assert config.block_k == block_k
+    assert config.num_warps == (8 if head_dim > 128 else 4)
+
+
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
 @pytest.mark.parametrize("batch", [1, 3, 64, 1024])

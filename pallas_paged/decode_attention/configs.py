@@ -152,11 +152,22 @@ def _num_splits(shape: DecodeShape, block_k: int, sm_count: int,
     return max(1, min(splits, max_useful, 256))
 
 
+# The K tile's bytes (V's as many) of the heuristic's 16-bit configs at head_dim 129-256: 64
+# tokens of 256 columns. With 32-token tiles (16 KiB, the rule of narrower rows) and 8 warps,
+# decode at B=32, ctx=4096 took 1.2-1.5x as long: group 4 378.7 us against 271.3 (one split)
+# on an H200 (2026-11-30, `benchmarks.bench --tune`), 428.1 against 348.6 us (two splits, this
+# heuristic's config) on an H100; group 2 (16 kv heads) 715.0 against 500.4 us on an H200 and
+# 855.5 against 680.5 us on an H100 (2026-12-06, docs/BENCHMARKS.md, "The heuristic at head_dim
+# 256").
+WIDE_ROW_TILE_BYTES = 32 * 1024
+
+
 def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
     """A reasonable config for any shape: the fallback of the tuned table.
 
     16-bit and fp32 caches: tiles of about 32 KiB of K plus V in a ring one tile deep
-    (``num_stages=2``), about four programs per multiprocessor. fp8 caches: the same tile
+    (``num_stages=2``), about four programs per multiprocessor; 64 KiB and 8 warps for 16-bit
+    rows of 129-256 columns (`WIDE_ROW_TILE_BYTES`). fp8 caches: the same tile
     length rule, rings two tiles deep (``num_stages=5``) and about two programs per
     multiprocessor (as many tiles in flight, half the splits to merge), the rows read as column
     pairs (``fp8_pairs``). On the H200 that layout was the fastest fp8 config at both measured
@@ -175,8 +186,10 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
     fp8 = itemsize == 1
     padded_dim = next_power_of_2(shape.head_dim)
     # A K tile plus a V tile of about 32 KiB for each tile in flight (`pallas_triton.kv_ring_depth`),
-    # so that several programs share a multiprocessor.
-    block_k = max(16, min(128, (16 * 1024) // (padded_dim * itemsize)))
+    # so that several programs share a multiprocessor; 64 KiB for 16-bit rows of 256 columns,
+    # whose 32-token tiles leave the 8 warps too little work (`WIDE_ROW_TILE_BYTES`).
+    tile_bytes = WIDE_ROW_TILE_BYTES if (padded_dim > 128 and itemsize == 2) else 16 * 1024
+    block_k = max(16, min(128, tile_bytes // (padded_dim * itemsize)))
     block_k = min(block_k, max(16, next_power_of_2(shape.capacity)))
     num_warps = 4 if padded_dim <= 128 else 8
     splits = _num_splits(shape, block_k, sm_count, programs_per_sm=2 if fp8 else 4)
