@@ -125,6 +125,7 @@ SHAPES = (
     _shape("decode_b32_ctx4096", (32, 1, 4096)),
     _shape("fp8_mixed_4x512c2560_60dec4096", (4, 512, 2560), (60, 1, 4096), dtype=FP8),
     _shape("fp8_decode_b32_ctx4096", (32, 1, 4096), dtype=FP8),
+    _shape("d256_decode_b32_ctx4096", (32, 1, 4096), head_dim=256),
 )
 _TINY = dict(num_heads=4, num_kv_heads=2, head_dim=32, block_size=4)
 SMOKE_SHAPES = (
