@@ -302,7 +302,6 @@ def measure_read_bandwidth(nbytes: int, s) -> dict:
     """
     n = max(1024, nbytes // 4)
     result = {"bytes": 4 * n}
-
     try:
         ones = jnp.ones(n, jnp.float32)
         total = jax.jit(jnp.sum)
