@@ -152,6 +152,11 @@ def _num_splits(shape: DecodeShape, block_k: int, sm_count: int,
     return max(1, min(splits, max_useful, 256))
 
 
+# The K tile's bytes (V's as many) of the heuristic's configs: K plus V about 32 KiB for each
+# tile in flight (`pallas_triton.kv_ring_depth`), so that several programs share a
+# multiprocessor. The ragged kernel's heuristic takes it for its decode-like rows.
+K_TILE_BYTES = 16 * 1024
+
 # The K tile's bytes (V's as many) of the heuristic's 16-bit configs at head_dim 129-256: 64
 # tokens of 256 columns. With 32-token tiles (16 KiB, the rule of narrower rows) and 8 warps,
 # decode at B=32, ctx=4096 took 1.2-1.5x as long: group 4 378.7 us against 271.3 (one split)
@@ -185,10 +190,9 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
     itemsize = jnp.dtype(shape.cache_dtype).itemsize
     fp8 = itemsize == 1
     padded_dim = next_power_of_2(shape.head_dim)
-    # A K tile plus a V tile of about 32 KiB for each tile in flight (`pallas_triton.kv_ring_depth`),
-    # so that several programs share a multiprocessor; 64 KiB for 16-bit rows of 256 columns,
-    # whose 32-token tiles leave the 8 warps too little work (`WIDE_ROW_TILE_BYTES`).
-    tile_bytes = WIDE_ROW_TILE_BYTES if (padded_dim > 128 and itemsize == 2) else 16 * 1024
+    # 64 KiB of K plus V for 16-bit rows of 256 columns, whose 32-token tiles leave the 8 warps
+    # too little work (`WIDE_ROW_TILE_BYTES`); about 32 KiB otherwise (`K_TILE_BYTES`).
+    tile_bytes = WIDE_ROW_TILE_BYTES if (padded_dim > 128 and itemsize == 2) else K_TILE_BYTES
     block_k = max(16, min(128, tile_bytes // (padded_dim * itemsize)))
     block_k = min(block_k, max(16, next_power_of_2(shape.capacity)))
     num_warps = 4 if padded_dim <= 128 else 8

@@ -17,6 +17,7 @@ import math
 import jax.numpy as jnp
 
 from pallas_paged._platform import next_power_of_2
+from pallas_paged.decode_attention.configs import K_TILE_BYTES
 
 MIN_DOT_ROWS = 16  # the smallest M of a Triton dot
 MAX_DOT_ROWS = 64  # query tokens x GQA group per program at most (the heuristic's choice)
@@ -138,10 +139,11 @@ def get_heuristic_config(shape: AttentionShape, sm_count: int) -> AttentionConfi
     `MAX_DOT_ROWS` dot rows for prefill and mixed batches, with 4 warps and 3 pipeline stages (on
     the H200 these beat 128 rows / 8 warps / 2 stages by 1.07x on a 4 x 2048 prefill, 1.18x on a
     mixed batch and 1.19x on a 2048-token chunk over 32K: docs/BENCHMARKS.md); K/V tiles of 64
-    tokens (32 for head_dim > 128), or, when the dots have the minimum 16 rows, tiles of 16 KiB
-    of K at every width (decode's heuristic takes 32 KiB for 16-bit rows past 128 columns; this
-    kernel at head_dim 256, B=32, ctx=4096 ran faster with 16 KiB: 366.0 us against 371.4-378.3
-    with 64-token tiles on an H100, docs/BENCHMARKS.md, "The heuristic at head_dim 256").
+    tokens (32 for head_dim > 128), or, when the dots have the minimum 16 rows, tiles of
+    `K_TILE_BYTES` (16 KiB) of K at every width (decode's heuristic takes 32 KiB for 16-bit rows
+    past 128 columns; this kernel at head_dim 256, B=32, ctx=4096 ran faster with 16 KiB: 366.0
+    us against 371.4-378.3 with 64-token tiles on an H100, docs/BENCHMARKS.md, "The heuristic at
+    head_dim 256").
     Where ``block_q`` tiles have more than the minimum rows and the average query length is
     below `SHORT_TILES_BELOW_AVG_Q` (a mixed batch), sequences short enough to fill a minimum
     16-row tile take short tiles (``short_block_q``): a decode row then pads a 16-row dot, not a
@@ -154,7 +156,7 @@ def get_heuristic_config(shape: AttentionShape, sm_count: int) -> AttentionConfi
     block_q = min(next_power_of_2(avg_q), max_block_q)
     rows = max(MIN_DOT_ROWS, next_power_of_2(block_q * shape.group))
     if rows <= MIN_DOT_ROWS:  # decode-like: memory-bound, decode's tile rule
-        block_k = max(16, min(128, (16 * 1024) // (padded_dim * itemsize)))
+        block_k = max(16, min(128, K_TILE_BYTES // (padded_dim * itemsize)))
     else:
         block_k = 64 if padded_dim <= 128 else 32
     block_k = min(block_k, max(16, next_power_of_2(shape.capacity)))
