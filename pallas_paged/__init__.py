@@ -2,9 +2,13 @@
 with Pallas GPU kernels.
 
 The semantics are those of `torch_ref` (SPEC.md). One folder per operation (``cache_write/``,
-``decode_attention/``, ``ragged_attention/``), each split into ``api.py`` (the public function),
-one file per backend (``pallas_triton.py``, ``mosaic_gpu.py``, ``xla.py``) and, for kernels with
-knobs, ``configs.py``.
+``decode_attention/``, ``ragged_attention/``), each split into ``api.py`` (validation, the choice
+of kernel and config, the public function), one file per backend (``pallas_triton.py``,
+``mosaic_gpu.py``, ``xla.py``), one config file per kernel with knobs (``pallas_triton_config.py``,
+``mosaic_gpu_config.py``: the frozen config, its heuristic, the tuned table) and ``shape.py`` (the
+static facts the configs are keyed by). What one backend's kernels share lives in
+``_triton_common.py``, ``_mosaic_common.py`` and ``_xla_common.py``; what every attention
+implementation shares in ``_attention_common.py``; fp8 scales and quantization in ``_fp8.py``.
 
 - `write_kv`: masked scatter of new tokens' K/V into the paged cache (slot -1 writes nothing).
 - `decode`: paged decode attention; ``impl="pallas"`` (the kernel, Triton-lowered on GPU,
@@ -22,12 +26,14 @@ knobs, ``configs.py``.
 from pallas_paged._validation import (validate_attention_inputs, validate_decode_inputs,
                                       validate_write_inputs)
 from pallas_paged.cache_write.api import write_kv
-from pallas_paged.cache_write.fp8 import quantize_fp8
+from pallas_paged._fp8 import quantize_fp8
 from pallas_paged.decode_attention.api import decode
-from pallas_paged.decode_attention.configs import (DecodeConfig, DecodeShape, MosaicDecodeConfig,
-                                                  get_heuristic_config)
+from pallas_paged.decode_attention.mosaic_gpu_config import MosaicDecodeConfig
+from pallas_paged.decode_attention.pallas_triton_config import DecodeConfig, get_heuristic_config
+from pallas_paged.decode_attention.shape import DecodeShape
 from pallas_paged.ragged_attention.api import paged_attention
-from pallas_paged.ragged_attention.configs import AttentionConfig, AttentionShape
+from pallas_paged.ragged_attention.pallas_triton_config import AttentionConfig
+from pallas_paged.ragged_attention.shape import AttentionShape
 from pallas_paged.sharding import (attention_shardings, decode_shardings, shard_decode,
                                    shard_paged_attention, shard_write_kv, write_shardings)
 

@@ -3,10 +3,12 @@
 - ``static_validate_*``: ranks, shapes, dtypes and option types. They read only ``.shape`` and
   ``.dtype``, so they run at trace time and every implementation (XLA path, Pallas kernel, write)
   calls them. Each raises ``ValueError`` with the shapes in the message.
-- ``validate_write_inputs`` / ``validate_decode_inputs``: the value checks (slots in range and
-  unique, block ids in range for the valid part of each table, lengths non-negative and within
-  capacity). They fetch the values to the host, so they are eager only; call them before a jitted
-  step when the inputs are not trusted.
+- ``check_*_values``: the value checks (slots in range and unique, block ids in range for the
+  valid part of each table, lengths non-negative and within capacity, a well-formed
+  ``query_start_loc``, fp8 scales finite and positive). They fetch the values to the host, so the
+  public functions run them in eager calls only (`is_concrete`; ``check_values=False`` skips
+  them). ``validate_*_inputs`` are both, for callers who check untrusted inputs before a jitted
+  step.
 
 Under ``jax.jit`` values cannot raise. What happens instead, by construction of the kernels:
 
@@ -38,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_paged._fp8 import EXACT_RANGE
 from pallas_paged._platform import kernel_addresses_overflow
 
 CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn)
@@ -45,6 +48,9 @@ QUERY_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 INDEX_DTYPES = (jnp.int32, jnp.int64)
 FP8_DTYPE = jnp.float8_e4m3fn
 FP32_MAX = float(np.finfo(np.float32).max)
+# fp8 scales: within [2**-60, 2**60] (SPEC.md), the range where the write's correctly rounded
+# division (`_fp8.divide_rn`) gives torch's bits on every backend; torch_ref refuses the same.
+FP8_SCALE_RANGE = EXACT_RANGE
 
 
 def _shape(x) -> tuple[int, ...]:
@@ -52,12 +58,27 @@ def _shape(x) -> tuple[int, ...]:
 
 
 def _dtype(x):
+    """``x``'s dtype as a numpy dtype, which prints as its bare name (``float32``)."""
     return jnp.dtype(x.dtype)
 
 
-def _check_rank(name: str, x, ndim: int) -> None:
+def _is_torch_tensor(x) -> bool:
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _check_array(name: str, x) -> None:
+    """``x`` is a JAX or numpy array (a torch tensor gets a message that says how to convert)."""
+    if _is_torch_tensor(x):
+        raise ValueError(
+            f"{name} is a torch.Tensor ({type(x).__name__} of shape {tuple(x.shape)}): pallas_paged"
+            f" takes JAX or numpy arrays; convert it first, e.g. jnp.asarray({name}.numpy()), or"
+            f" bit-exactly for any dtype with parity.convert.from_torch({name})")
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+
+
+def _check_rank(name: str, x, ndim: int) -> None:
+    _check_array(name, x)
     if len(x.shape) != ndim:
         raise ValueError(f"{name} must have rank {ndim}, got {name}.shape={_shape(x)}")
 
@@ -71,21 +92,49 @@ def _is_python_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def is_concrete(*values) -> bool:
+    """True when no value is traced (an eager call), so values can be fetched and checked."""
+    return not any(isinstance(v, jax.core.Tracer) for v in values)
+
+
+# The python-valued options of `decode` and `paged_attention`: static under a caller's jax.jit.
+STATIC_OPTIONS = ("scale", "logits_soft_cap", "sliding_window", "return_lse", "impl",
+                  "interpret", "config", "check_values")
+
+
+def _check_not_traced(name: str, value) -> None:
+    """A traced python-valued option gets a message that says to mark it static."""
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(
+            f"{name} is traced ({type(value).__name__}): it must be a python value, static under"
+            f" jax.jit; mark it static, e.g. jax.jit(fn, static_argnames=({name!r}, ...)), or"
+            f" close over it. The static options are {', '.join(STATIC_OPTIONS)}")
+
+
 def _check_positive_float(name: str, value) -> None:
+    _check_not_traced(name, value)
     if not _is_python_number(value):
         raise ValueError(f"{name} must be a python float, got {type(value).__name__}")
     if not (math.isfinite(value) and 0 < value <= FP32_MAX):
         raise ValueError(f"{name}={value} must be finite and > 0 (and at most float32's max)")
 
 
+def check_fp8_scale_value(name: str, number: float) -> None:
+    """An fp8 scale's value: finite and in `FP8_SCALE_RANGE` (the same message as torch_ref's)."""
+    lo, hi = FP8_SCALE_RANGE
+    if not (math.isfinite(number) and lo <= number <= hi):
+        raise ValueError(f"{name}={number} must be finite and in [2**-60, 2**60]")
+
+
 def check_fp8_scale(name: str, value) -> None:
-    """A per-tensor fp8 scale: a python float (finite, > 0) or a float32 array of shape () or (1,).
+    """A per-tensor fp8 scale: a python float in `FP8_SCALE_RANGE` or a float32 array of shape
+    () or (1,).
 
     An array may be traced (under ``jax.jit`` one compiled program serves every value); its value
-    is checked by the eager validation (`validate_write_inputs`, `validate_decode_inputs`).
+    is checked in eager calls (`check_write_values`, `check_decode_values`).
     """
     if _is_python_number(value):
-        _check_positive_float(name, value)
+        check_fp8_scale_value(name, value)
         return
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
         raise ValueError(f"{name} must be a python float or a float32 scalar array, got"
@@ -102,9 +151,9 @@ def static_validate_caches(k_cache, v_cache) -> None:
         raise ValueError(
             f"k_cache and v_cache must have the same shape, got {k_cache.shape=} and {v_cache.shape=}")
     if _dtype(k_cache) != _dtype(v_cache):
-        raise ValueError(f"k_cache and v_cache must have the same dtype, got {k_cache.dtype=} and {v_cache.dtype=}")
+        raise ValueError(f"k_cache and v_cache must have the same dtype, got k_cache.dtype={_dtype(k_cache)} and v_cache.dtype={_dtype(v_cache)}")
     if _dtype(k_cache) not in [jnp.dtype(d) for d in CACHE_DTYPES]:
-        raise ValueError(f"{k_cache.dtype=} must be float32, bfloat16, float16 or float8_e4m3fn")
+        raise ValueError(f"k_cache.dtype={_dtype(k_cache)} must be float32, bfloat16, float16 or float8_e4m3fn")
     if min(_shape(k_cache)) < 1:
         raise ValueError(f"{k_cache.shape=} must have every dimension >= 1")
 
@@ -140,18 +189,20 @@ def static_validate_write(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_
             if _dtype(x) not in [jnp.dtype(t) for t in QUERY_DTYPES]:
                 raise ValueError(f"{name}.dtype={_dtype(x)} must be float32, bfloat16 or float16 for an fp8 cache")
         elif _dtype(x) != _dtype(k_cache):
-            raise ValueError(f"{name}.dtype={_dtype(x)} must equal {k_cache.dtype=}")
+            raise ValueError(f"{name}.dtype={_dtype(x)} must equal k_cache.dtype={_dtype(k_cache)}")
     _check_int("slot_mapping", slot_mapping)
 
 
 def static_validate_options(num_heads: int, *, scale=None, logits_soft_cap=None, alibi_slopes=None,
                             sliding_window=None, sinks=None) -> None:
     if scale is not None:
+        _check_not_traced("scale", scale)
         if not _is_python_number(scale) or not (math.isfinite(scale) and abs(scale) <= FP32_MAX):
             raise ValueError(f"scale must be a python float, finite in float32, or None, got {scale!r}")
     if logits_soft_cap is not None:
         _check_positive_float("logits_soft_cap", logits_soft_cap)
     if sliding_window is not None:
+        _check_not_traced("sliding_window", sliding_window)
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
             raise ValueError(f"sliding_window must be a python int, got {type(sliding_window).__name__}")
         if sliding_window < 1:
@@ -169,10 +220,10 @@ def static_validate_options(num_heads: int, *, scale=None, logits_soft_cap=None,
 def static_validate_query(q, k_cache) -> None:
     """q's dtype (the cache's, or any query dtype over an fp8 cache), head_dim and head counts."""
     if _dtype(q) not in [jnp.dtype(t) for t in QUERY_DTYPES]:
-        raise ValueError(f"{q.dtype=} must be float32, bfloat16 or float16")
+        raise ValueError(f"q.dtype={_dtype(q)} must be float32, bfloat16 or float16")
     if _dtype(k_cache) != jnp.dtype(FP8_DTYPE) and _dtype(q) != _dtype(k_cache):
         raise ValueError(
-            f"{q.dtype=} must equal {k_cache.dtype=}: mixed query / cache float dtypes are refused"
+            f"q.dtype={_dtype(q)} must equal k_cache.dtype={_dtype(k_cache)}: mixed query / cache float dtypes are refused"
             " (only a float8_e4m3fn cache takes a float32, bfloat16 or float16 q)")
     _, num_heads, head_dim = _shape(q)
     _, _, kvh, d = _shape(k_cache)
@@ -219,9 +270,12 @@ def host_clamp_index(x, lo: int, hi: int):
     return x
 
 
-def static_validate_call(k_cache, *, impl, impls, return_lse, interpret, config,
-                         config_type) -> None:
+def static_validate_call(k_cache, *, impl, impls, return_lse, interpret,
+                         check_values=True) -> None:
     """The python-valued options of a public attention call (static under ``jax.jit``)."""
+    for name, value in (("impl", impl), ("return_lse", return_lse), ("interpret", interpret),
+                        ("check_values", check_values)):
+        _check_not_traced(name, value)
     if not isinstance(impl, str) or impl not in impls:
         raise ValueError(f"impl={impl!r} must be one of {impls} (static under jax.jit)")
     if not isinstance(return_lse, bool):
@@ -229,11 +283,17 @@ def static_validate_call(k_cache, *, impl, impls, return_lse, interpret, config,
     if interpret is not None and not isinstance(interpret, bool):
         raise ValueError(
             f"interpret must be a python bool or None (static under jax.jit), got {interpret!r}")
-    if impl == "pallas" and kernel_addresses_overflow(k_cache.shape, k_cache.dtype):
+    if not isinstance(check_values, bool):
+        raise ValueError(f"check_values must be a python bool, got {check_values!r}")
+    if impl in ("pallas", "auto") and kernel_addresses_overflow(k_cache.shape, k_cache.dtype):
         raise ValueError(
-            f"impl='pallas' cannot address a {jnp.dtype(k_cache.dtype).name} cache of 2**31 to"
-            f" 2**32 elements ({k_cache.shape=}; Triton offsets stay 32-bit below 2**32 bytes):"
-            " use impl='xla', or a cache of fewer than 2**31 or more than 2**32 elements")
+            f"impl={impl!r} cannot address a {_dtype(k_cache).name} cache of 2**31 to 2**32"
+            f" elements (k_cache.shape={_shape(k_cache)}; Triton offsets stay 32-bit below 2**32"
+            " bytes): use impl='xla', or a cache of fewer than 2**31 or more than 2**32 elements")
+
+
+def check_config_type(config, config_type, impl: str) -> None:
+    """``config`` is None or a ``config_type`` (the kernel ``impl`` takes)."""
     if config is not None and not isinstance(config, config_type):
         article = "an" if config_type.__name__[0] in "AEIOU" else "a"
         raise ValueError(f"config must be {article} {config_type.__name__} or None for"
@@ -253,9 +313,7 @@ def _check_scale_values(k_scale, v_scale) -> None:
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if s is None or _is_python_number(s):
             continue
-        value = float(np.asarray(s, np.float32).reshape(()))
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name}={value} must be finite and > 0")
+        check_fp8_scale_value(name, float(np.asarray(s, np.float32).reshape(())))
 
 
 def validate_write_inputs(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None) -> None:
@@ -270,6 +328,11 @@ def validate_write_inputs(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_
         static check.
     """
     static_validate_write(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
+    check_write_values(k_cache, slot_mapping, k_scale, v_scale)
+
+
+def check_write_values(k_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """The value checks of `validate_write_inputs`, after its static checks."""
     _check_scale_values(k_scale, v_scale)
     num_blocks, block_size = _shape(k_cache)[:2]
     num_slots = num_blocks * block_size
@@ -301,6 +364,11 @@ def validate_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, *, k
     """
     static_validate_decode(q, k_cache, v_cache, block_tables, context_lens, k_scale=k_scale,
                            v_scale=v_scale, **options)
+    check_decode_values(k_cache, block_tables, context_lens, k_scale, v_scale)
+
+
+def check_decode_values(k_cache, block_tables, context_lens, k_scale=None, v_scale=None) -> None:
+    """The value checks of `validate_decode_inputs`, after its static checks."""
     _check_scale_values(k_scale, v_scale)
     num_blocks, block_size = _shape(k_cache)[:2]
     lens = np.asarray(context_lens).astype(np.int64)
@@ -366,9 +434,15 @@ def validate_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, q
     """
     static_validate_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                               k_scale=k_scale, v_scale=v_scale, **options)
+    check_attention_values(q, k_cache, block_tables, context_lens, query_start_loc, k_scale,
+                           v_scale)
+
+
+def check_attention_values(q, k_cache, block_tables, context_lens, query_start_loc,
+                           k_scale=None, v_scale=None) -> None:
+    """The value checks of `validate_attention_inputs`, after its static checks."""
+    check_decode_values(k_cache, block_tables, context_lens, k_scale, v_scale)
     batch = _shape(block_tables)[0]
-    validate_decode_inputs(_per_sequence_query(q, batch), k_cache, v_cache, block_tables,
-                           context_lens, k_scale=k_scale, v_scale=v_scale, **options)
     starts = np.asarray(query_start_loc).astype(np.int64)
     if starts[0] != 0:
         raise ValueError(f"query_start_loc[0]={starts[0]} must be 0")

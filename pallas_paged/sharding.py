@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_paged import _validation
 from pallas_paged.cache_write.api import write_kv
-from pallas_paged.cache_write.fp8 import scale_operand
+from pallas_paged._fp8 import scale_operand
 from pallas_paged.decode_attention.api import decode
 from pallas_paged.ragged_attention.api import paged_attention
 
@@ -78,7 +78,7 @@ COLLECTIVE_OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "c
 
 # decode's keywords: the static ones (part of the compiled program) and the per-head arrays.
 _DECODE_STATIC = ("scale", "logits_soft_cap", "sliding_window", "return_lse", "impl", "interpret",
-                  "config")
+                  "config", "check_values")
 _DECODE_HEAD_ARRAYS = ("alibi_slopes", "sinks")
 # fp8 scales: python floats or f32[] arrays, per call, replicated on every device.
 _SCALES = ("k_scale", "v_scale")

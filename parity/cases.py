@@ -35,6 +35,8 @@ import zlib
 import ml_dtypes
 import numpy as np
 
+from parity.layout import GARBAGE_BLOCK_IDS, paged_layout
+
 __all__ = [
     "Case",
     "DEFAULT_SUITE",
@@ -67,7 +69,6 @@ FP8_MAX = 448.0
 # Values of the padding tokens (slot -1): a write that lets one through leaves an obvious mark.
 PAD_SENTINEL = 1000.0
 # Table-tail garbage besides stale ids of real blocks; `num_blocks` itself is added per case.
-GARBAGE_BLOCK_IDS = (2**30, 2**31 - 1, 99999, -1, -7)
 # Fraction of a new fp8 token's elements blown up past 448 * scale, to exercise the clamp.
 FP8_OUTLIER_FRACTION = 0.02
 
@@ -318,26 +319,10 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
     bs, kvh, d = case.block_size, case.num_kv_heads, case.head_dim
     lens = draw_lengths(case, rng)
     q_lens = draw_new_tokens(case, lens, rng) if case.ragged else np.minimum(lens, 1)
-    pages = -(-lens.astype(np.int64) // bs)  # ceil(n / bs) per sequence
-    num_blocks = int(pages.sum()) + case.spare_blocks
-    num_blocks = max(num_blocks, 1)
-    physical = rng.permutation(num_blocks).astype(np.int32)
-
-    tables = np.empty((case.batch, case.table_width), dtype=np.int32)
-    garbage = np.asarray(GARBAGE_BLOCK_IDS + (num_blocks,), dtype=np.int64)
-    start = 0
-    for b in range(case.batch):
-        used = int(pages[b])
-        tables[b, :used] = physical[start:start + used]
-        start += used
-        tail = case.table_width - used
-        stale = rng.integers(0, num_blocks, size=tail)  # ids of real blocks, someone else's data
-        tables[b, used:] = np.where(rng.random(tail) < 0.5, rng.choice(garbage, size=tail), stale)
-
-    # Flat slot of every position of every sequence, in logical order.
-    seq = np.repeat(np.arange(case.batch), lens)
-    pos = np.concatenate([np.arange(n) for n in lens]) if lens.sum() else np.zeros(0, np.int64)
-    slot = (tables[seq, pos // bs].astype(np.int64) * bs + pos % bs)
+    layout = paged_layout(rng, lens, block_size=bs, table_width=case.table_width,
+                          spare_blocks=case.spare_blocks, tail="random")
+    num_blocks, tables = layout.num_blocks, layout.block_tables
+    seq, pos, slot = layout.seq, layout.pos, layout.slots
     newest = pos >= (lens[seq] - q_lens[seq])
     new_slots = slot[newest]  # batch order, each sequence's newest q_len_b positions
 

@@ -379,8 +379,7 @@ def mosaic_refusal(case: Case) -> str | None:
     takes.
     """
     import jax
-    from pallas_paged._platform import device_kind, sm_count
-    from pallas_paged.decode_attention import api, configs, mosaic_gpu
+    from pallas_paged.decode_attention.api import select_kernel
 
     if case.ragged:
         return "impl='mosaic' is decode only (ragged paged_attention runs impl='pallas' or 'xla')"
@@ -388,8 +387,11 @@ def mosaic_refusal(case: Case) -> str | None:
     cache = jax.ShapeDtypeStruct((1, case.block_size, case.num_kv_heads, case.head_dim),
                                  case.dtype)
     tables = jax.ShapeDtypeStruct((case.batch, case.table_width), "int32")
-    config = configs.lookup_mosaic(api.decode_shape(q, cache, tables), device_kind(), sm_count())
-    return mosaic_gpu.refusal(q, cache, config, interpret=True)  # no device check here
+    try:  # interpret=True: no device check here
+        select_kernel(q, cache, tables, impl="mosaic", config=None, interpret=True)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _where(index: tuple[int, ...], block_size: int) -> str:

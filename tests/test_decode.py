@@ -17,7 +17,6 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 import pallas_paged as pp
 import torch_ref
-from pallas_paged.decode_attention import pallas_triton as decode_triton
 from oracle import oracle_paged_attention
 from paged_inputs import assert_close_with_the_same_nans, launched_ops, make_paged, to_numpy, to_torch
 
@@ -382,18 +381,6 @@ def test_triton_kernel_lowers_for_every_dtype(q_dtype, fp8_cache, config):
     assert "pallas_paged_decode" in text
 
 
-def test_kv_eviction_policy_reaches_the_compiled_kernel():
-    """`pallas_triton.KV_EVICTION_POLICY` (the K/V loads' L2 policy, a probe of decode_anatomy)
-    changes the Triton kernel lowered for CUDA; the default is Triton's normal policy."""
-    from benchmarks.timing import kernel_variant
-    assert decode_triton.KV_EVICTION_POLICY is None
-    default = _lowered_text("cuda", "pallas")
-    with kernel_variant({(decode_triton, "KV_EVICTION_POLICY"): "evict_first"}):
-        first = _lowered_text("cuda", "pallas")
-    assert "pallas_paged_decode" in first and first != default
-    assert _lowered_text("cuda", "pallas") == default
-
-
 def test_compiled_triton_kernels_take_the_hardware_exp2():
     """Compiled, the online softmax of both Triton kernels (decode and ragged attention) is PTX's
     ``ex2.approx.ftz.f32`` (`pallas_triton.softmax_exp`); in interpret mode it is ``jnp.exp``,
@@ -444,7 +431,7 @@ def test_compiled_kernel_runs_on_gpu(rng):
 
 def _decode_shape(batch, capacity, cache_dtype, *, num_kv_heads=8, group=4, head_dim=128,
                   block_size=16):
-    from pallas_paged.decode_attention.configs import DecodeShape
+    from pallas_paged.decode_attention.shape import DecodeShape
     return DecodeShape(batch=batch, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
                        block_size=block_size, capacity=capacity, cache_dtype=cache_dtype)
 
@@ -473,7 +460,7 @@ def _fp8_config(block_k, num_splits=1, num_warps=4):
     (256, 1024, "float8_e4m3fn", _fp8_config(128)),
 ])
 def test_heuristic_config_of_the_measured_shapes(batch, capacity, cache_dtype, expected):
-    from pallas_paged.decode_attention.configs import get_heuristic_config
+    from pallas_paged.decode_attention.pallas_triton_config import get_heuristic_config
     assert get_heuristic_config(_decode_shape(batch, capacity, cache_dtype), 132) == expected
 
 
@@ -483,9 +470,9 @@ def test_heuristic_config_of_the_measured_shapes(batch, capacity, cache_dtype, e
     ("float32", 256, 16), ("float8_e4m3fn", 256, 64),  # other widths keep the 32 KiB rule
 ])
 def test_heuristic_tile_of_wide_rows(cache_dtype, head_dim, block_k):
-    """16-bit rows of 129-256 columns get 64-token tiles (`configs.WIDE_ROW_TILE_BYTES`) and 8
+    """16-bit rows of 129-256 columns get 64-token tiles (`pallas_triton_config.WIDE_ROW_TILE_BYTES`) and 8
     warps; 32-token tiles ran 1.2-1.5x slower at head_dim 256 (docs/BENCHMARKS.md)."""
-    from pallas_paged.decode_attention.configs import get_heuristic_config
+    from pallas_paged.decode_attention.pallas_triton_config import get_heuristic_config
     config = get_heuristic_config(
         _decode_shape(32, 4096, cache_dtype, head_dim=head_dim), 132)
     assert config.block_k == block_k
@@ -499,7 +486,7 @@ def test_heuristic_tile_of_wide_rows(cache_dtype, head_dim, block_k):
 def test_heuristic_configs_are_valid_and_never_split_short(cache_dtype, head_dim, batch,
                                                            capacity):
     from pallas_paged._platform import next_power_of_2
-    from pallas_paged.decode_attention.configs import get_heuristic_config
+    from pallas_paged.decode_attention.pallas_triton_config import get_heuristic_config
     config = get_heuristic_config(
         _decode_shape(batch, capacity, cache_dtype, head_dim=head_dim), 132)
     assert 1 <= config.num_splits <= 256
@@ -516,8 +503,8 @@ def test_tuned_h200_fp8_entries_keep_the_pair_layout():
     """A tuned fp8 entry keeps the heuristic's fp8 layout (the pairs, measured fastest) and
     changes only the tiling; B=32/ctx 4096, where the heuristic's tiling measured fastest, has
     none, B=8/ctx 16384 has its own."""
-    from pallas_paged.decode_attention.configs import (TUNED, get_heuristic_config, lookup,
-                                                       shape_class)
+    from pallas_paged.decode_attention.pallas_triton_config import (TUNED, get_heuristic_config,
+                                                                    lookup, shape_class)
     fp8_entries = {key: config for key, config in TUNED["NVIDIA H200"].items()
                    if key[0] == "float8_e4m3fn"}
     assert fp8_entries
@@ -534,7 +521,7 @@ def test_tuned_persistent_entries_put_one_wave_of_programs_on_the_device():
     """Every tuned entry with persistent programs has one split, and its programs fill the
     device's 132 multiprocessors in one wave of two programs each, the layout measured (the
     ragged B=64 class on both devices), whatever the number of kv heads."""
-    from pallas_paged.decode_attention.configs import TUNED, lookup
+    from pallas_paged.decode_attention.pallas_triton_config import TUNED, lookup
     persistent = [(kind, key, config) for kind, table in TUNED.items()
                   for key, config in table.items() if config.persistent_programs]
     assert persistent

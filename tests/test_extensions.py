@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pallas_paged as pp
-from pallas_paged.decode_attention.pallas_triton import split_share, tile_range
+from pallas_paged._attention_common import split_share, tile_range
 from paged_inputs import make_paged
 from test_decode import IMPLS, assert_matches_torch, run_jax
 
@@ -175,33 +175,22 @@ def every_fp8_pair():
 
 
 def test_fp8_pairs_to_f16_keeps_every_pair_in_interpret_mode():
-    from pallas_paged.decode_attention.pallas_triton import fp8_pairs_to_f16
+    from pallas_paged._triton_common import fp8_pairs_to_f16
     words, want_even, want_odd = every_fp8_pair()
     even, odd = fp8_pairs_to_f16(jnp.asarray(words), interpret=True)
     np.testing.assert_array_equal(np.asarray(even), want_even)  # NaN positions equal too
     np.testing.assert_array_equal(np.asarray(odd), want_odd)
 
 
-def test_fp8_pairs_to_f16_takes_one_or_two_words_per_conversion():
-    from pallas_paged.decode_attention.pallas_triton import fp8_pairs_to_f16
-    words, want_even, _ = every_fp8_pair()
-    even, _ = fp8_pairs_to_f16(jnp.asarray(words), interpret=True, words_per_conversion=2)
-    np.testing.assert_array_equal(np.asarray(even), want_even)
-    with pytest.raises(ValueError, match="words_per_conversion=3 must be 1 or 2"):
-        fp8_pairs_to_f16(jnp.asarray(words), interpret=True, words_per_conversion=3)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("words_per_conversion", [1, 2])
-def test_fp8_pairs_to_f16_keeps_every_pair_compiled(words_per_conversion):
+def test_fp8_pairs_to_f16_keeps_every_pair_compiled():
     """The PTX conversion (``cvt.rn.f16x2.e4m3x2``) in a Pallas Triton kernel, bit for bit."""
     from jax.experimental import pallas as pl
-    from pallas_paged.decode_attention.pallas_triton import fp8_pairs_to_f16
+    from pallas_paged._triton_common import fp8_pairs_to_f16
     words, want_even, want_odd = every_fp8_pair()
 
     def kernel(words_ref, even_ref, odd_ref):  # u16[16, 256] -> f16[16, 256] x 2, per program
-        even_ref[...], odd_ref[...] = fp8_pairs_to_f16(
-            words_ref[...], interpret=False, words_per_conversion=words_per_conversion)
+        even_ref[...], odd_ref[...] = fp8_pairs_to_f16(words_ref[...], interpret=False)
 
     spec = pl.BlockSpec((16, 256), lambda i: (i, 0))
     out = jax.ShapeDtypeStruct(words.shape, jnp.float16)
@@ -252,11 +241,10 @@ def test_return_lse_shape_and_values(rng, impl):
     pp.DecodeConfig(block_k=64, num_warps=4, num_stages=5, fp8_pairs=True, persistent_programs=6),
 ], ids=["bk16_w1", "bk64_w2_st5", "bk128_w4_st5", "bk32_w8_merged", "bk64_w4_st5_p3"])
 @pytest.mark.parametrize("head_dim", [128, 40])
-def test_fp8_pairs_two_words_per_conversion_compiled(rng, monkeypatch, config, head_dim):
-    """`pallas_triton.PAIR_WORDS_PER_CONVERSION` = 2 in the compiled decode kernel: the same
-    outputs as one word per conversion, bit for bit, and torch_ref's within tolerance, with
-    every fp8 byte value in the caches (NaN aside: a NaN anywhere makes its rows NaN)."""
-    from pallas_paged.decode_attention import pallas_triton
+def test_fp8_pairs_every_byte_value_compiled(rng, config, head_dim):
+    """The compiled decode kernel's fp8 column pairs (two words per conversion) with every fp8
+    byte value in the caches (NaN aside: a NaN anywhere makes its rows NaN): torch_ref's output
+    within tolerance."""
     paged = make_paged(rng, lens=[300, 7, 0, 129], num_heads=8, num_kv_heads=2, block_size=16,
                        dtype="float8_e4m3fn", head_dim=head_dim)
     every = np.arange(256, dtype=np.uint8)
@@ -264,14 +252,5 @@ def test_fp8_pairs_two_words_per_conversion_compiled(rng, monkeypatch, config, h
     for cache in (paged.k_cache, paged.v_cache):
         flat = cache.reshape(-1)
         flat[:] = np.resize(every, flat.shape)
-    outs = []
-    for words in (1, 2):
-        monkeypatch.setattr(pallas_triton, "PAIR_WORDS_PER_CONVERSION", words)
-        jax.clear_caches()
-        outs.append(np.asarray(pp.decode(*paged.jax(), config=config, k_scale=2.0 ** -8,
-                                         v_scale=2.0 ** -8, return_lse=True)[0]))
-    np.testing.assert_array_equal(outs[1], outs[0])
     assert_matches_torch(paged, "pallas", "float8_e4m3fn", k_scale=2.0 ** -8, v_scale=2.0 ** -8,
                          return_lse=True, config=config)
-    monkeypatch.undo()
-    jax.clear_caches()  # no later test reuses a trace made with two words per conversion

@@ -43,8 +43,9 @@ import pytest
 
 import pallas_paged as pp
 from pallas_paged._platform import kernel_addresses_overflow
+from pallas_paged import _mosaic_common
 from pallas_paged.decode_attention import mosaic_gpu
-from pallas_paged.decode_attention.configs import MosaicDecodeConfig
+from pallas_paged.decode_attention.mosaic_gpu_config import MosaicDecodeConfig
 from oracle import oracle_paged_attention, oracle_quantize_fp8
 from paged_inputs import NP_DTYPES, bits, make_paged
 from test_decode import ATOL
@@ -105,7 +106,7 @@ def assert_close_to_oracle(out, expected, lens, q_dtype: str) -> float:
 def _mosaic_runs() -> list:
     """The Mosaic kernel's run where it can run compiled: this jax has its API and the GPU is
     sm_90 or later (`mosaic_gpu.check_device`); none elsewhere."""
-    if mosaic_gpu.jax_version() < mosaic_gpu.MIN_JAX:
+    if _mosaic_common.jax_version() < _mosaic_common.MIN_JAX:
         return []
     try:
         mosaic_gpu.check_device(interpret=False)

@@ -27,12 +27,14 @@ import torch_ref
 from oracle import fp8_e4m3fn_to_float, oracle_paged_attention
 from paged_inputs import (NP_DTYPES, assert_close_with_the_same_nans, launched_ops, make_paged,
                           to_numpy)
-from benchmarks import bench
-from pallas_paged.decode_attention import api, configs, mosaic_gpu
-from pallas_paged.decode_attention.configs import MosaicDecodeConfig
+from pallas_paged import _mosaic_common
+from pallas_paged._platform import resolve_interpret
+from pallas_paged.decode_attention import api, mosaic_gpu, mosaic_gpu_config
+from pallas_paged.decode_attention.mosaic_gpu_config import MosaicDecodeConfig
+from pallas_paged.decode_attention.shape import shape_class
 from test_decode import numpy_attention, run_torch
 
-KERNEL_API = mosaic_gpu.jax_version() >= mosaic_gpu.MIN_JAX  # plgpu.kernel as the kernel uses it
+KERNEL_API = _mosaic_common.jax_version() >= _mosaic_common.MIN_JAX  # plgpu.kernel as the kernel uses it
 # Interpret mode where there is no GPU, compiled where there is (as decode's interpret=None): the
 # Mosaic GPU interpreter on a GPU machine is far too slow for a test.
 NO_GPU = jax.devices()[0].platform != "gpu"
@@ -411,6 +413,24 @@ def test_usable_inside_user_jit(rng):
 
 # --- what the kernel refuses, with a ValueError naming the argument ------------------------------
 
+def warn_if_interpret_may_stall(interpret: bool, config: MosaicDecodeConfig) -> None:
+    """`_mosaic_common.warn_if_interpret_may_stall` for the decode kernel's warpgroups."""
+    _mosaic_common.warn_if_interpret_may_stall(interpret, 1 + config.num_consumers,
+                                               fewer="num_consumers")
+
+
+def auto_impl(q, k_cache, tables, *, interpret=None, config=None) -> str:
+    """The kernel ``decode(..., impl="auto")`` runs for these arrays (`api.select_kernel`)."""
+    return api.select_kernel(q, k_cache, tables, impl="auto", config=config,
+                             interpret=resolve_interpret(interpret))[0]
+
+
+def picked_mosaic_config(args) -> MosaicDecodeConfig:
+    """The config ``decode(..., impl="mosaic")`` picks for these arrays."""
+    return mosaic_gpu_config.lookup_mosaic(api.decode_shape(args[0], args[1], args[3]),
+                                           api.device_kind(), api.sm_count())
+
+
 def _abstract(batch=2, num_heads=8, kvh=2, head_dim=64, block_size=16, dtype=jnp.bfloat16,
               cache_dtype=None):
     q = jax.ShapeDtypeStruct((batch, num_heads, head_dim), dtype)
@@ -461,16 +481,16 @@ def test_head_dim_256_configs_past_shared_memory_raise(config):
 @on_every_jax
 def test_interpret_mode_warns_where_the_cpu_pools_cannot_hold_every_warpgroup(monkeypatch):
     four_warpgroups = MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=3, num_consumers=3)
-    monkeypatch.setattr(mosaic_gpu, "has_gpu", lambda: False)  # the pools' warning alone
+    monkeypatch.setattr(_mosaic_common, "has_gpu", lambda: False)  # the pools' warning alone
     monkeypatch.setenv("NPROC", "2")
     with pytest.warns(RuntimeWarning, match="4 warpgroups .* 2 threads .* NPROC=8"):
-        mosaic_gpu.warn_if_interpret_may_stall(True, four_warpgroups)
+        warn_if_interpret_may_stall(True, four_warpgroups)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        mosaic_gpu.warn_if_interpret_may_stall(False, four_warpgroups)  # compiled: no host threads
-        mosaic_gpu.warn_if_interpret_may_stall(True, ONE_SPLIT)         # 2 warpgroups, 2 threads
+        warn_if_interpret_may_stall(False, four_warpgroups)  # compiled: no host threads
+        warn_if_interpret_may_stall(True, ONE_SPLIT)         # 2 warpgroups, 2 threads
         monkeypatch.setenv("NPROC", "8")
-        mosaic_gpu.warn_if_interpret_may_stall(True, four_warpgroups)
+        warn_if_interpret_may_stall(True, four_warpgroups)
 
 
 @on_every_jax
@@ -478,14 +498,14 @@ def test_interpret_mode_warns_where_a_gpu_is_the_default_backend(monkeypatch):
     """Interpret mode with the GPU as JAX's backend did not finish a two-sequence call in 100 s
     on an H200: the call warns and says where to run it instead."""
     monkeypatch.setenv("NPROC", "8")
-    monkeypatch.setattr(mosaic_gpu, "has_gpu", lambda: True)
+    monkeypatch.setattr(_mosaic_common, "has_gpu", lambda: True)
     with pytest.warns(RuntimeWarning, match="GPU as JAX's default backend.*JAX_PLATFORMS=cpu"):
-        mosaic_gpu.warn_if_interpret_may_stall(True, ONE_SPLIT)
+        warn_if_interpret_may_stall(True, ONE_SPLIT)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        mosaic_gpu.warn_if_interpret_may_stall(False, ONE_SPLIT)  # compiled on the GPU
-        monkeypatch.setattr(mosaic_gpu, "has_gpu", lambda: False)
-        mosaic_gpu.warn_if_interpret_may_stall(True, ONE_SPLIT)   # interpret mode on a CPU
+        warn_if_interpret_may_stall(False, ONE_SPLIT)  # compiled on the GPU
+        monkeypatch.setattr(_mosaic_common, "has_gpu", lambda: False)
+        warn_if_interpret_may_stall(True, ONE_SPLIT)   # interpret mode on a CPU
 
 
 @on_every_jax
@@ -496,7 +516,7 @@ def test_the_xla_cpu_pools_hold_every_warpgroup_of_the_interpreted_kernel():
     really got hold the five warpgroups of four consumers, so interpret mode cannot stall."""
     jnp.zeros(1).block_until_ready()
     names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-    most_warpgroups = 1 + configs.MAX_MOSAIC_CONSUMERS
+    most_warpgroups = 1 + mosaic_gpu_config.MAX_MOSAIC_CONSUMERS
     assert names.count("tf_XLAEigen") >= most_warpgroups, sorted(set(names))
     assert mosaic_gpu.xla_cpu_threads() >= most_warpgroups
 
@@ -575,7 +595,7 @@ def test_compiled_needs_an_sm90_gpu(on_gpu):
 def test_heuristic_config_fits_and_splits_small_batches():
     shape = pp.DecodeShape(batch=1, num_kv_heads=8, group=4, head_dim=128, block_size=16,
                            capacity=32768, cache_dtype="bfloat16")
-    from pallas_paged.decode_attention.configs import get_mosaic_heuristic_config
+    from pallas_paged.decode_attention.mosaic_gpu_config import get_mosaic_heuristic_config
     config = get_mosaic_heuristic_config(shape, sm_count=132)
     assert config.num_splits >= 16  # B=1: enough CTAs for 132 SMs
     for dtype in ("bfloat16", "float8_e4m3fn"):
@@ -611,7 +631,7 @@ def test_heuristic_config_at_the_measured_shapes(batch, context, dtype, expected
     """The configs measured fastest on the H200 (docs/BENCHMARKS.md): the queries in N with one
     consumer; 128-token tiles for 16-bit caches where the CTAs make about one wave, and past two
     waves in persistent CTAs; 64 for fp8 caches."""
-    from pallas_paged.decode_attention.configs import get_mosaic_heuristic_config
+    from pallas_paged.decode_attention.mosaic_gpu_config import get_mosaic_heuristic_config
     shape = pp.DecodeShape(batch=batch, num_kv_heads=8, group=4, head_dim=128, block_size=16,
                            capacity=context, cache_dtype=dtype)
     assert get_mosaic_heuristic_config(shape, sm_count=132) == expected
@@ -621,36 +641,38 @@ def test_heuristic_config_at_the_measured_shapes(batch, context, dtype, expected
 
 def _class_of(args) -> tuple:
     q, k_cache, _, tables, _ = args
-    return configs.shape_class(api.decode_shape(q, k_cache, tables))
+    return shape_class(api.decode_shape(q, k_cache, tables))
 
 
 @on_every_jax
-def test_choose_impl_reads_the_measured_table(monkeypatch):
-    """"mosaic" only where the table says so for the shape's class on this device kind and the
-    kernel can run; neighbours in the class share the entry."""
-    b1 = pp.DecodeShape(batch=1, num_kv_heads=8, group=4, head_dim=128, block_size=16,
-                        capacity=32768, cache_dtype="bfloat16")
-    neighbour = pp.DecodeShape(1, 8, 4, 128, 16, 20000, "bfloat16")  # rounds up to 32768
-    b32 = pp.DecodeShape(32, 8, 4, 128, 16, 4096, "bfloat16")
-    unmeasured = pp.DecodeShape(8, 8, 4, 128, 16, 16384, "bfloat16")
-    monkeypatch.setattr(configs, "IMPL_CHOICE", {"NVIDIA H200": {
-        configs.shape_class(b1): "mosaic", configs.shape_class(b32): "pallas"}})
-    assert configs.choose_impl(b1, "NVIDIA H200", can_run_mosaic=True) == "mosaic"
-    assert configs.choose_impl(neighbour, "NVIDIA H200", can_run_mosaic=True) == "mosaic"
-    assert configs.choose_impl(b1, "NVIDIA H200", can_run_mosaic=False) == "pallas"
-    assert configs.choose_impl(b1, "NVIDIA H100", can_run_mosaic=True) == "pallas"
-    assert configs.choose_impl(b32, "NVIDIA H200", can_run_mosaic=True) == "pallas"
-    assert configs.choose_impl(unmeasured, "NVIDIA H200", can_run_mosaic=True) == "pallas"
-    assert configs.lookup_impl(unmeasured, "NVIDIA H200") is None
+def test_auto_reads_the_measured_table(monkeypatch, sm90):
+    """"mosaic" only where the table says so for the call's class on this device kind and the
+    kernel can run it compiled; neighbours in the class share the entry."""
+    monkeypatch.setattr(_mosaic_common, "jax_version", lambda: _mosaic_common.MIN_JAX)
+    b2 = _abstract(batch=2)
+    neighbour = _abstract(batch=2, head_dim=64, kvh=2, num_heads=6)  # group 3 rounds up to 4
+    b32 = _abstract(batch=32)
+    unmeasured = _abstract(batch=8)
+    monkeypatch.setattr(api, "device_kind", lambda: "NVIDIA H200")
+    monkeypatch.setattr(api, "IMPL_CHOICE", {"NVIDIA H200": {
+        _class_of(b2): "mosaic", _class_of(b32): "pallas"}})
+    assert _class_of(neighbour) == _class_of(b2)
+    assert auto_impl(b2[0], b2[1], b2[3], interpret=False) == "mosaic"
+    assert auto_impl(neighbour[0], neighbour[1], neighbour[3], interpret=False) == "mosaic"
+    assert auto_impl(b2[0], b2[1], b2[3], interpret=True) == "pallas"
+    assert auto_impl(b32[0], b32[1], b32[3], interpret=False) == "pallas"
+    assert auto_impl(unmeasured[0], unmeasured[1], unmeasured[3], interpret=False) == "pallas"
+    monkeypatch.setattr(api, "device_kind", lambda: "NVIDIA H100")
+    assert auto_impl(b2[0], b2[1], b2[3], interpret=False) == "pallas"
 
 
 @on_every_jax
 def test_impl_choice_table_is_well_formed():
-    """Every entry names one of the two kernels under a key of `configs.shape_class`'s form."""
-    for kind, table in configs.IMPL_CHOICE.items():
+    """Every entry names one of the two kernels under a key of `shape_class`'s form."""
+    for kind, table in api.IMPL_CHOICE.items():
         assert isinstance(kind, str) and kind
         for key, impl in table.items():
-            assert impl in configs.IMPL_CHOICES, (kind, key, impl)
+            assert impl in ("mosaic", "pallas"), (kind, key, impl)
             dtype, *sizes = key
             assert dtype in ("float32", "bfloat16", "float16", "float8_e4m3fn"), key
             assert len(sizes) == 5 and sizes[3] >= 1, key
@@ -662,7 +684,7 @@ def test_impl_choice_table_is_well_formed():
 def mosaic_measured_faster(monkeypatch):
     """A table that prefers Mosaic for the classes of `_abstract`'s shapes on this device kind."""
     shapes = [_abstract(), _abstract(head_dim=32), _abstract(dtype=jnp.float32)]
-    monkeypatch.setattr(configs, "IMPL_CHOICE",
+    monkeypatch.setattr(api, "IMPL_CHOICE",
                         {api.device_kind(): {_class_of(a): "mosaic" for a in shapes}})
 
 
@@ -675,23 +697,23 @@ def sm90(monkeypatch):
 @on_every_jax
 def test_auto_picks_mosaic_only_where_it_can_run_compiled(mosaic_measured_faster, sm90,
                                                           monkeypatch):
-    monkeypatch.setattr(mosaic_gpu, "jax_version", lambda: mosaic_gpu.MIN_JAX)
+    monkeypatch.setattr(_mosaic_common, "jax_version", lambda: _mosaic_common.MIN_JAX)
     q, k_cache, _, tables, _ = _abstract()
-    assert api.auto_impl(q, k_cache, tables, interpret=False) == "mosaic"
+    assert auto_impl(q, k_cache, tables, interpret=False) == "mosaic"
     # Never in interpret mode (None: interpret mode exactly when there is no GPU backend).
-    assert api.auto_impl(q, k_cache, tables, interpret=True) == "pallas"
+    assert auto_impl(q, k_cache, tables, interpret=True) == "pallas"
     expected = "mosaic" if jax.default_backend() == "gpu" else "pallas"
-    assert api.auto_impl(q, k_cache, tables) == expected
+    assert auto_impl(q, k_cache, tables) == expected
     # Shapes and dtypes the kernel refuses (head_dim 32, fp32), although the table says mosaic.
     for args in (_abstract(head_dim=32), _abstract(dtype=jnp.float32)):
-        assert api.auto_impl(args[0], args[1], args[3], interpret=False) == "pallas"
+        assert auto_impl(args[0], args[1], args[3], interpret=False) == "pallas"
     # jax before the kernel's API.
-    monkeypatch.setattr(mosaic_gpu, "jax_version", lambda: (0, 11, 1))
-    assert api.auto_impl(q, k_cache, tables, interpret=False) == "pallas"
-    monkeypatch.setattr(mosaic_gpu, "jax_version", lambda: mosaic_gpu.MIN_JAX)
+    monkeypatch.setattr(_mosaic_common, "jax_version", lambda: (0, 11, 1))
+    assert auto_impl(q, k_cache, tables, interpret=False) == "pallas"
+    monkeypatch.setattr(_mosaic_common, "jax_version", lambda: _mosaic_common.MIN_JAX)
     # A config (the one it would use) that does not fit the shared memory.
     monkeypatch.setattr(mosaic_gpu, "MAX_SMEM_BYTES", 1024)
-    assert api.auto_impl(q, k_cache, tables, interpret=False) == "pallas"
+    assert auto_impl(q, k_cache, tables, interpret=False) == "pallas"
 
 
 @on_every_jax
@@ -703,7 +725,7 @@ def test_auto_compiled_needs_an_sm90_gpu(mosaic_measured_faster):
         expected = "mosaic"
     except ValueError:
         expected = "pallas"
-    assert api.auto_impl(q, k_cache, tables, interpret=False) == expected
+    assert auto_impl(q, k_cache, tables, interpret=False) == expected
     if jax.default_backend() != "gpu":
         assert expected == "pallas"
 
@@ -711,8 +733,8 @@ def test_auto_compiled_needs_an_sm90_gpu(mosaic_measured_faster):
 @on_every_jax
 def test_auto_follows_an_explicit_config():
     q, k_cache, _, tables, _ = _abstract()
-    assert api.auto_impl(q, k_cache, tables, config=pp.DecodeConfig()) == "pallas"
-    assert api.auto_impl(q, k_cache, tables, config=ONE_SPLIT) == "mosaic"
+    assert auto_impl(q, k_cache, tables, config=pp.DecodeConfig()) == "pallas"
+    assert auto_impl(q, k_cache, tables, config=ONE_SPLIT) == "mosaic"
     with pytest.raises(ValueError, match="config must be a DecodeConfig, a MosaicDecodeConfig"):
         jax.eval_shape(functools.partial(pp.decode, config=("block_k", 64)), *_abstract())
     # A Mosaic config under "auto" is impl="mosaic", with its refusals.
@@ -741,7 +763,7 @@ def test_auto_in_interpret_mode_is_pallas_bit_for_bit(rng, monkeypatch):
     paged = make_paged(rng, lens=[150, 0, 1, 17], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype="bfloat16", fill=np.nan)
     args = paged.jax()
-    monkeypatch.setattr(configs, "IMPL_CHOICE", {api.device_kind(): {_class_of(args): "mosaic"}})
+    monkeypatch.setattr(api, "IMPL_CHOICE", {api.device_kind(): {_class_of(args): "mosaic"}})
     options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
                for k, v in every_option(rng, 8).items()}
     auto, auto_lse = pp.decode(*args, interpret=True, return_lse=True, **options)
@@ -931,7 +953,7 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
         extra = ()
         fn = functools.partial(pp.decode, impl="mosaic", interpret=False, config=config, **kwargs)
     text = jax.jit(fn).trace(*args, *extra).lower(lowering_platforms=("cuda",)).as_text()
-    ran = config or api.picked_config(args[0], args[1], args[3], impl="mosaic")
+    ran = config or picked_mosaic_config(args)
     group = num_heads // args[1].shape[2]
     finalize = _kernel_finalizes(ran, args)
     merges = mosaic_gpu.merges_in_mosaic(ran, group=group, head_dim=args[0].shape[2],
@@ -1099,7 +1121,7 @@ def test_parts_are_merged_by_the_mosaic_merge_kernel(num_heads, kvh, cache, expe
     cache_shape = jax.ShapeDtypeStruct((pages + 1, 16, kvh, 128), cache or jnp.bfloat16)
     args = (jax.ShapeDtypeStruct((1, num_heads, 128), jnp.bfloat16), cache_shape, cache_shape,
             jax.ShapeDtypeStruct((1, pages), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
-    config = api.picked_config(args[0], args[1], args[3], impl="mosaic")
+    config = picked_mosaic_config(args)
     assert config.num_splits > 1
     sinks = jax.ShapeDtypeStruct((num_heads,), jnp.float32)
     scales = {} if cache is None else dict(k_scale=0.5, v_scale=0.25)
@@ -1197,7 +1219,7 @@ def test_compiled_kernel_at_realistic_shapes(rng, batch, context, dtype, queries
     scales = dict(k_scale=0.5, v_scale=0.25) if dtype == "float8_e4m3fn" else {}
     q, k_cache, _, tables, _ = paged.jax()
     shape = api.decode_shape(q, k_cache, tables)
-    picked = configs.lookup_mosaic(shape, "NVIDIA H200", 132)
+    picked = mosaic_gpu_config.lookup_mosaic(shape, "NVIDIA H200", 132)
     config = dataclasses.replace(picked, queries_in_n=queries_in_n,
                                  fp8_k_in_registers=picked.fp8_k_in_registers and queries_in_n)
     out, lse = pp.decode(*paged.jax(), impl="mosaic", config=config, return_lse=True, **scales)
@@ -1286,76 +1308,3 @@ def test_compiled_queries_in_n_with_several_consumers_do_not_race(rng, num_consu
         np.testing.assert_allclose(to_numpy(out).astype(np.float32),
                                    to_numpy(ref).astype(np.float32), atol=2e-2, rtol=0)
         np.testing.assert_allclose(to_numpy(lse), to_numpy(ref_lse), atol=1e-4, rtol=1e-5)
-
-
-@on_every_jax
-def test_bench_mosaic_config_labels():
-    from benchmarks import bench_mosaic
-    config = MosaicDecodeConfig(block_k=128, num_splits=4, num_stages=2, num_consumers=2)
-    assert MosaicDecodeConfig(**bench_mosaic.parse_config(bench.config_label(config))) == config
-    one = dataclasses.replace(config, num_consumers=1)
-    assert bench.config_label(in_n(one)) == "bk128/s4/st2/c1/qn1"
-    assert MosaicDecodeConfig(**bench_mosaic.parse_config("bk128/s4/st2/c1/qn1")) == in_n(one)
-    assert bench_mosaic.parse_config("st4/c2") == {"num_stages": 4, "num_consumers": 2}
-    assert bench_mosaic.parse_config("qn0") == {"queries_in_n": False}
-    registers = dataclasses.replace(in_n(one), fp8_k_in_registers=True)
-    assert bench.config_label(registers) == "bk128/s4/st2/c1/qn1/kr1"
-    parsed = bench_mosaic.parse_config(bench.config_label(registers))
-    assert MosaicDecodeConfig(**parsed) == registers
-    producer = dataclasses.replace(registers, fp8_v_in_producer=True)
-    assert bench.config_label(producer) == "bk128/s4/st2/c1/qn1/kr1/vp1"
-    assert MosaicDecodeConfig(**bench_mosaic.parse_config(bench.config_label(producer))) == producer
-    persistent = dataclasses.replace(registers, persistent=True)
-    assert bench.config_label(persistent) == "bk128/s4/st2/c1/qn1/kr1/ps1"
-    parsed = bench_mosaic.parse_config(bench.config_label(persistent))
-    assert MosaicDecodeConfig(**parsed) == persistent
-    for bad in ("bk64/s1/x2", "bk64/s", "c2/c1", "", "qn2", "kr2", "vp2"):
-        with pytest.raises(ValueError):
-            bench_mosaic.parse_config(bad)
-
-
-def test_bench_mosaic_smoke(tmp_path, monkeypatch):
-    """`benchmarks.bench_mosaic --smoke`: both kernels checked against impl="xla" and timed on a
-    tiny shape (interpret mode on a CPU, compiled on a GPU: the numbers mean nothing, the
-    plumbing must work)."""
-    from benchmarks import bench_mosaic
-    monkeypatch.setattr(bench_mosaic, "SMOKE_SHAPES", bench_mosaic.SMOKE_SHAPES[:1])
-    path = tmp_path / "rows.json"
-    assert bench_mosaic.main(["--smoke", "--config", "bk64/s2/st2/c2/qn0", "--config", "st3/c2/qn0",
-                              "--json", str(path)]) == 0
-    rows = json.loads(path.read_text())["rows"]
-    assert {(r["shape"], r["impl"]) for r in rows} == {
-        (s.name, impl) for s in bench_mosaic.SMOKE_SHAPES for impl in ("mosaic", "pallas")}
-    named = MosaicDecodeConfig(block_k=64, num_splits=2, num_stages=2, num_consumers=2)
-    mosaic_rows = [r for r in rows if r["impl"] == "mosaic"]
-    timed = [r["config"] for r in mosaic_rows if "error" not in r]
-    assert timed[1:] == [str(named)]  # after the heuristic's
-    (refused,) = [r for r in mosaic_rows if "error" in r]  # 3 stages cannot go to 2 consumers
-    assert "must be a multiple of num_consumers=2" in refused["error"]
-    rows = [r for r in rows if "error" not in r]
-    for row in rows:
-        assert row["correct"], row
-        assert row["us"] > 0 and row["of_copy"] > 0, row
-
-
-def test_producer_only_probe_streams_every_tile_and_is_named(rng, sm90):
-    """`decode_mosaic(..., producer_only=True)`, bench_mosaic's timing probe: the producer copies
-    every tile and the consumers only wait and free (no deadlock, in the interpreter's barrier
-    simulation, with two consumers too); its kernel carries its own name, so a profile or a
-    program can never mistake it for the attention kernel."""
-    paged = make_paged(rng, lens=[150, 0, 17], num_heads=8, num_kv_heads=2, head_dim=64,
-                       block_size=16, dtype="bfloat16")
-    q, k, v, tables, lens = paged.jax()
-    for config in (ONE_SPLIT, TWO_CONSUMERS):
-        def probe(*args, interpret, config=config):
-            return mosaic_gpu.decode_mosaic(
-                *args, scale=0.125, config=config, interpret=interpret, logits_soft_cap=None,
-                alibi_slopes=None, sliding_window=None, sinks=None, k_scale=None, v_scale=None,
-                producer_only=True)
-        run = jax.jit(functools.partial(probe, interpret=NO_GPU))
-        out, lse = jax.block_until_ready(run(q, k, v, tables, lens))
-        assert out.shape == q.shape and lse.shape == q.shape[:2]
-        compiled_probe = jax.jit(functools.partial(probe, interpret=False))
-        text = compiled_probe.trace(q, k, v, tables, lens).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert f"{mosaic_gpu.KERNEL_NAME}_" in text and "_producer_only" in text

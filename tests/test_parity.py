@@ -682,13 +682,13 @@ def test_impl_mosaic_runs_the_cases_its_kernel_takes(capsys):
     """``--impl mosaic``: the decode cases the Mosaic kernel takes run and pass (jax >= 0.11.2,
     interpret mode here); the others are named and left out; where the kernel cannot run at all,
     the CLI says so and exits with the usage code."""
-    from pallas_paged.decode_attention import mosaic_gpu
+    from pallas_paged import _mosaic_common
 
     argv = ["--device", "cpu", "--impl", "mosaic", "-k", "gqa4_h8_d64_bs16_bf16_lse",
             "-k", "gqa4_h8_d64_bs5_bf16_all", "-q"]
     code = cli.main(argv)
     captured = capsys.readouterr()
-    if mosaic_gpu.jax_version() < mosaic_gpu.MIN_JAX:
+    if _mosaic_common.jax_version() < _mosaic_common.MIN_JAX:
         assert code == cli.EXIT_USAGE, captured.out
         assert "impl=mosaic takes none of the selected cases" in captured.err
         return
@@ -701,7 +701,7 @@ def test_impl_mosaic_runs_the_cases_its_kernel_takes(capsys):
 def test_impl_mosaic_beside_others_keeps_every_case_for_them(tmp_path, capsys):
     """``--impl pallas --impl mosaic``: a case the Mosaic kernel refuses still runs for pallas
     (only its mosaic checks are left out, and named); a case it takes runs for both."""
-    from pallas_paged.decode_attention import mosaic_gpu
+    from pallas_paged import _mosaic_common
 
     path = tmp_path / "report.json"
     argv = ["--device", "cpu", "--impl", "pallas", "--impl", "mosaic", "-k",
@@ -715,7 +715,7 @@ def test_impl_mosaic_beside_others_keeps_every_case_for_them(tmp_path, capsys):
     impls = {c["case"]["name"]: {check["impl"] for check in c["checks"]}
              for c in json.loads(path.read_text())["cases"]}
     assert impls["gqa4_h8_d64_bs5_bf16_all"] == {"torch", "pallas"}
-    kernel_api = mosaic_gpu.jax_version() >= mosaic_gpu.MIN_JAX
+    kernel_api = _mosaic_common.jax_version() >= _mosaic_common.MIN_JAX
     assert impls["gqa4_h8_d64_bs16_bf16_lse"] == (
         {"torch", "pallas", "mosaic"} if kernel_api else {"torch", "pallas"})
 

@@ -590,7 +590,7 @@ def test_heuristic_configs():
     shape = lambda tokens, batch: pp.AttentionShape(  # noqa: E731
         num_tokens=tokens, batch=batch, num_kv_heads=8, group=4, head_dim=128, block_size=16,
         capacity=4096, cache_dtype="bfloat16")
-    from pallas_paged.ragged_attention.configs import get_heuristic_config
+    from pallas_paged.ragged_attention.pallas_triton_config import get_heuristic_config
     decode = get_heuristic_config(shape(32, 32), 132)
     assert decode.block_q == 1 and decode.dot_rows(4) == 16 and decode.num_splits >= 2
     spec = get_heuristic_config(shape(128, 32), 132)

@@ -649,7 +649,7 @@ WRITE_BAD = {
     "fp8_without_v_scale": (lambda a: a.update(k_cache=a["k_cache"].to(FP8), v_cache=a["v_cache"].to(FP8),
                                                k_scale=1.0), r"v_scale is required"),
     "fp8_zero_scale": (lambda a: a.update(k_cache=a["k_cache"].to(FP8), v_cache=a["v_cache"].to(FP8),
-                                          k_scale=0.0, v_scale=1.0), r"k_scale=0\.0 must be finite and > 0"),
+                                          k_scale=0.0, v_scale=1.0), r"k_scale=0\.0 must be finite and in \[2\*\*-60, 2\*\*60\]"),
     "fp8_nan_scale": (lambda a: a.update(k_cache=a["k_cache"].to(FP8), v_cache=a["v_cache"].to(FP8),
                                          k_scale=1.0, v_scale=math.nan), r"v_scale=nan must be finite"),
     "scales_on_fp32_cache": (lambda a: a.update(k_scale=1.0, v_scale=1.0),
@@ -763,7 +763,7 @@ DECODE_BAD = {
     "sinks_float16": (lambda a: a.update(sinks=torch.ones(4, dtype=torch.float16)), r"sinks\.dtype=torch\.float16"),
     "fp8_without_scales": (_fp8(), r"k_scale is required"),
     "fp8_without_v_scale": (_fp8(k_scale=1.0), r"v_scale is required"),
-    "fp8_negative_scale": (_fp8(k_scale=-1.0, v_scale=1.0), r"k_scale=-1\.0 must be finite and > 0"),
+    "fp8_negative_scale": (_fp8(k_scale=-1.0, v_scale=1.0), r"k_scale=-1\.0 must be finite and in \[2\*\*-60, 2\*\*60\]"),
     "scales_on_fp32_cache": (lambda a: a.update(k_scale=1.0, v_scale=1.0),
                              r"k_scale / v_scale apply to float8_e4m3fn caches only"),
 }

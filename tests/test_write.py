@@ -392,7 +392,7 @@ def test_donation_recipe_takes_every_keyword(rng, impl):
 def test_fp8_quotient_correction_recovers_the_ieee_quotient(rng, scale):
     """`correct_quotient` turns any fp32 quotient within 2 ulps of x / scale (what XLA computes:
     x * (1 / s), or PTX's div.full.f32 on a GPU) into the correctly rounded one (numpy's)."""
-    from pallas_paged.cache_write.fp8 import correct_quotient, divide_rn
+    from pallas_paged._fp8 import correct_quotient, divide_rn
 
     n = 200_000
     x = (rng.standard_normal(n) * np.exp2(rng.integers(-30, 30, n))).astype(np.float32)

@@ -29,10 +29,23 @@ def check_positive_float(name: str, value) -> None:
         raise ValueError(f"{name}={value} must be finite and > 0 (and at most float32's max)")
 
 
+# fp8 scales: within [2**-60, 2**60] (SPEC.md). Inside this range every backend's write can give
+# torch's bits (a correctly rounded fp32 division, whose quotients and divisor stay normal); outside
+# it, XLA on a CPU, which flushes fp32 subnormals, could not. pallas_paged refuses the same range.
+FP8_SCALE_RANGE = (2.0**-60, 2.0**60)
+
+
+def check_fp8_scale_value(name: str, number: float) -> None:
+    lo, hi = FP8_SCALE_RANGE
+    if not (math.isfinite(number) and lo <= number <= hi):
+        raise ValueError(f"{name}={number} must be finite and in [2**-60, 2**60]")
+
+
 def check_fp8_scale(name: str, value) -> None:
-    """A per-tensor fp8 scale: a python float or a float32 tensor of shape () or (1,), finite, > 0."""
+    """A per-tensor fp8 scale: a python float or a float32 tensor of shape () or (1,), in
+    `FP8_SCALE_RANGE`."""
     if _is_python_number(value):
-        check_positive_float(name, value)
+        check_fp8_scale_value(name, value)
         return
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name} must be a python float or a float32 scalar tensor, got"
@@ -40,9 +53,7 @@ def check_fp8_scale(name: str, value) -> None:
     if tuple(value.shape) not in ((), (1,)) or value.dtype != torch.float32:
         raise ValueError(f"{name} must be a python float or a float32 tensor of shape () or (1,),"
                          f" got {name}.shape={tuple(value.shape)}, {name}.dtype={value.dtype}")
-    number = float(value.reshape(()))
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"{name}={number} must be finite and > 0")
+    check_fp8_scale_value(name, float(value.reshape(())))
 
 
 def check_tensor(name: str, x, ndim: int) -> None:

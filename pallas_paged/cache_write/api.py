@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from pallas_paged import _validation
 from pallas_paged._platform import (kernel_addresses_overflow, resolve_interpret,
                                     without_triton_deprecation)
-from pallas_paged.cache_write.fp8 import quantize_fp8, scale_operand
+from pallas_paged._fp8 import quantize_fp8, scale_operand
 from pallas_paged.cache_write.pallas_triton import write_pallas
 from pallas_paged.cache_write.xla import write_xla
 
@@ -37,6 +37,7 @@ def write_kv(
     v_scale: float | jax.Array | None = None,
     impl: str | None = None,
     interpret: bool | None = None,
+    check_values: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Store each new token's K and V at its physical slot; return the updated caches.
 
@@ -62,20 +63,28 @@ def write_kv(
         GPU and ``"xla"`` elsewhere (and for fp8 caches of 2**31 to 2**32 elements, which the
         kernel cannot address).
       interpret: run the Pallas kernel in interpret mode; None means exactly when JAX has no GPU.
+      check_values: when ``slot_mapping`` (and array scales) are concrete (an eager call, not
+        under ``jax.jit``), check their values as torch_ref does (`validate_write_inputs`: slots
+        in ``[-1, num_blocks * block_size)``, no slot twice, fp8 scales in range), which fetches
+        them to the host. False skips that for a hot eager loop; traced calls never check values.
 
     Returns:
       ``(k_cache, v_cache)`` with the new tokens written.
 
     Raises:
       ValueError: wrong ranks, shapes or dtypes, bad fp8 scales, or an unknown ``impl`` (before
-        anything runs; under jit, at trace time). Slot values are not checked here (they cannot
-        raise under jit): out-of-range slots, int64 ones outside int32 included, are dropped, and of
-        two tokens sharing a slot one wins, unspecified which. Call `validate_write_inputs` first to
-        reject them eagerly.
+        anything runs; under jit, at trace time); in an eager call with ``check_values``, a slot
+        out of range or used twice (nothing is written then). Under jit, values cannot raise:
+        out-of-range slots, int64 ones outside int32 included, are dropped, and of two tokens
+        sharing a slot one wins, unspecified which (docs/RELIABILITY.md).
     """
     _validation.static_validate_write(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
     if interpret is not None and not isinstance(interpret, bool):
         raise ValueError(f"interpret must be a python bool or None (static under jax.jit), got {interpret!r}")
+    if not isinstance(check_values, bool):
+        raise ValueError(f"check_values must be a python bool, got {check_values!r}")
+    if check_values and _validation.is_concrete(slot_mapping, k_scale, v_scale):
+        _validation.check_write_values(k_cache, slot_mapping, k_scale, v_scale)
     too_big = kernel_addresses_overflow(k_cache.shape, k_cache.dtype)
     if impl is None:
         impl = "xla" if resolve_interpret(None) or too_big else "pallas"

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_paged._platform import next_power_of_2
-from pallas_paged.cache_write.fp8 import clamp_to_fp8_range, divide_rn, kernel_scale_operands
+from pallas_paged._fp8 import clamp_to_fp8_range, divide_rn, kernel_scale_operands
 
 
 def _divide_rn(x, scale, *, interpret: bool):

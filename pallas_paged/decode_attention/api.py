@@ -1,9 +1,10 @@
-"""Paged decode attention, the public function: validate, pick the implementation, call it.
+"""Paged decode attention, the public function: validate, pick the kernel and config, call it.
 
 Implementations: ``impl="pallas"`` (``pallas_triton.py``, a Pallas kernel lowered through Triton on
 GPU, interpret mode elsewhere), ``impl="mosaic"`` (``mosaic_gpu.py``, a Mosaic GPU kernel for
 Hopper and later) and ``impl="xla"`` (``xla.py``, plain jnp). ``impl="auto"``, the default, picks
-one of the two kernels per call (`auto_impl`). `torch_ref` defines the semantics (SPEC.md).
+one of the two kernels per shape class (`IMPL_CHOICE`). `select_kernel` makes every choice of a
+call, once. `torch_ref` defines the semantics (SPEC.md).
 """
 
 from __future__ import annotations
@@ -15,20 +16,32 @@ import jax
 import jax.numpy as jnp
 
 from pallas_paged import _validation
+from pallas_paged._fp8 import scale_operand
+from pallas_paged._mosaic_common import warn_if_interpret_may_stall
 from pallas_paged._platform import (device_kind, resolve_interpret, sm_count,
                                     without_triton_deprecation)
-from pallas_paged.cache_write.fp8 import scale_operand
-from pallas_paged.decode_attention import configs, mosaic_gpu
-from pallas_paged.decode_attention.configs import DecodeConfig, DecodeShape, MosaicDecodeConfig
+from pallas_paged.decode_attention import mosaic_gpu, mosaic_gpu_config, pallas_triton_config
 from pallas_paged.decode_attention.mosaic_gpu import decode_mosaic
+from pallas_paged.decode_attention.mosaic_gpu_config import MosaicDecodeConfig
 from pallas_paged.decode_attention.pallas_triton import decode_pallas
+from pallas_paged.decode_attention.pallas_triton_config import DecodeConfig
+from pallas_paged.decode_attention.shape import DecodeShape, shape_class
 from pallas_paged.decode_attention.xla import decode_xla
 
 DECODE_IMPLS = ("auto", "pallas", "xla", "mosaic")
 
+# device kind -> shape class (`shape_class`) -> the kernel ``impl="auto"`` runs there: the one that
+# measured faster (`python -m benchmarks.decode --impls pallas,mosaic`); "pallas" elsewhere.
+IMPL_CHOICE: dict[str, dict[tuple, str]] = {
+    "NVIDIA H200": {
+        ("bfloat16", 64, 4, 16, 32, 4096): "mosaic",
+        ("bfloat16", 256, 4, 16, 32, 4096): "mosaic",
+    },
+}
+
 
 def decode_shape(q, k_cache, block_tables) -> DecodeShape:
-    """The static facts of a call that its kernel config depends on."""
+    """The static facts of a call that its kernel and config depend on."""
     batch, num_heads, head_dim = q.shape
     _, block_size, kvh, _ = k_cache.shape
     return DecodeShape(batch=batch, num_kv_heads=kvh, group=num_heads // kvh, head_dim=head_dim,
@@ -36,49 +49,53 @@ def decode_shape(q, k_cache, block_tables) -> DecodeShape:
                        cache_dtype=jnp.dtype(k_cache.dtype).name)
 
 
-def picked_config(q, k_cache, block_tables, *, impl: str = "pallas"):
-    """The config ``decode(..., impl=impl)`` runs when given none: the tuned entry of the call's
-    shape class on this device kind (`configs.lookup`, `configs.lookup_mosaic`), else the
-    heuristic's. ``impl``: ``"pallas"`` (a `DecodeConfig`) or ``"mosaic"``."""
-    lookup = configs.lookup_mosaic if impl == "mosaic" else configs.lookup
-    return lookup(decode_shape(q, k_cache, block_tables), device_kind(), sm_count())
+def select_kernel(q, k_cache, block_tables, *, impl: str, config, interpret: bool):
+    """What a `decode` call runs: ``(impl, config)`` with ``impl`` one of ``"pallas"``,
+    ``"mosaic"``, ``"xla"`` and ``config`` the kernel's config (None for ``"xla"``).
 
+    - An explicit ``config`` is kept; with ``impl="auto"`` its type names the kernel
+      (`DecodeConfig`: ``"pallas"``, `MosaicDecodeConfig`: ``"mosaic"``).
+    - ``impl="auto"`` without one: ``"mosaic"`` where `IMPL_CHOICE` names it for the call's shape
+      class on this device kind and the Mosaic kernel can run the call compiled (not in
+      ``interpret`` mode, jax >= 0.11.2, sm_90+, a shape it takes: `mosaic_gpu.refusal`);
+      ``"pallas"`` everywhere else, a CPU (interpret mode) included.
+    - Without a config, the kernel's tuned entry for the shape class on this device kind, else its
+      heuristic's (`pallas_triton_config.lookup`, `mosaic_gpu_config.lookup_mosaic`).
 
-def auto_impl(q, k_cache, block_tables, *, interpret: bool | None = None, config=None) -> str:
-    """The kernel ``decode(..., impl="auto")`` runs for this call: ``"mosaic"`` or ``"pallas"``.
-
-    An explicit ``config`` decides by its type: a `DecodeConfig` means ``"pallas"``, a
-    `MosaicDecodeConfig` ``"mosaic"`` (which then raises its usual ValueError if it cannot run the
-    call). Without one, ``"mosaic"`` exactly when both hold:
-
-    - the measured table says it is the faster kernel for this call's shape class on this device
-      kind (`configs.choose_impl`, `configs.IMPL_CHOICE`);
-    - the Mosaic kernel can run this call compiled: not in interpret mode (``interpret``, None
-      meaning "when there is no GPU backend"), jax >= 0.11.2, a GPU of compute capability >= 9.0,
-      and `mosaic_gpu.check_supported` passing for the config it would use (the tuned table's or
-      the heuristic's). It takes every option `decode` has (soft-cap, ALiBi, window, sinks, fp8
-      scales, ``return_lse``), so the options add no condition.
-
-    Everywhere else ``"pallas"``, the Triton kernel (interpret mode on a CPU, as before ``"auto"``
-    existed). Reads only ``.shape`` and ``.dtype`` of the arrays, so it runs at trace time.
+    Reads only ``.shape`` and ``.dtype`` of the arrays (it runs at trace time).
 
     Raises:
-      ValueError: for a ``config`` that is neither None nor one of the two config types.
+      ValueError: a ``config`` of the wrong type for ``impl``, or ``impl="mosaic"`` where the
+        Mosaic kernel cannot run the call (the message says why and what to use instead).
     """
-    if config is not None:
-        if isinstance(config, MosaicDecodeConfig):
-            return "mosaic"
-        if isinstance(config, DecodeConfig):
-            return "pallas"
-        raise ValueError(f"config must be a DecodeConfig, a MosaicDecodeConfig or None for"
-                         f" impl='auto', got {type(config).__name__}")
+    if impl == "xla":
+        return "xla", None
     shape = decode_shape(q, k_cache, block_tables)
     kind = device_kind()
-    if configs.lookup_impl(shape, kind) != "mosaic" or resolve_interpret(interpret):
-        return "pallas"  # the table does not name mosaic (every call, today), or interpret mode
-    mosaic_config = configs.lookup_mosaic(shape, kind, sm_count())
-    can_run_mosaic = mosaic_gpu.refusal(q, k_cache, mosaic_config, interpret=False) is None
-    return configs.choose_impl(shape, kind, can_run_mosaic)
+    if impl == "auto":
+        if isinstance(config, MosaicDecodeConfig):
+            impl = "mosaic"
+        elif isinstance(config, DecodeConfig):
+            impl = "pallas"
+        elif config is not None:
+            raise ValueError(f"config must be a DecodeConfig, a MosaicDecodeConfig or None for"
+                             f" impl='auto', got {type(config).__name__}")
+        elif (IMPL_CHOICE.get(kind, {}).get(shape_class(shape)) == "mosaic" and not interpret):
+            config = mosaic_gpu_config.lookup_mosaic(shape, kind, sm_count())
+            if mosaic_gpu.refusal(q, k_cache, config, interpret=False) is None:
+                return "mosaic", config
+            config = None
+        if impl == "auto":
+            impl = "pallas"
+    config_type = MosaicDecodeConfig if impl == "mosaic" else DecodeConfig
+    _validation.check_config_type(config, config_type, impl)
+    if impl == "mosaic":
+        config = config or mosaic_gpu_config.lookup_mosaic(shape, kind, sm_count())
+        reason = mosaic_gpu.refusal(q, k_cache, config, interpret)
+        if reason is not None:
+            raise ValueError(reason)
+        return "mosaic", config
+    return "pallas", config or pallas_triton_config.lookup(shape, kind, sm_count())
 
 
 @without_triton_deprecation
@@ -100,6 +117,7 @@ def decode(
     impl: str = "auto",
     interpret: bool | None = None,
     config: DecodeConfig | MosaicDecodeConfig | None = None,
+    check_values: bool = True,
 ):
     """Paged decode attention: each sequence's single query over its cached K/V.
 
@@ -116,7 +134,15 @@ def decode(
     and static options; ``k_scale`` / ``v_scale``, ``alibi_slopes`` and ``sinks`` are its operands.
     Under a caller's ``jax.jit``, list the python-valued options it passes in ``static_argnames``
     (``scale``, ``logits_soft_cap``, ``sliding_window``, ``return_lse``, ``impl``, ``interpret``,
-    ``config``); the scales may be traced.
+    ``config``, ``check_values``); the fp8 scales may be traced.
+
+    Example, two sequences over a cache of 4-token blocks::
+
+        # sequence 0: 6 tokens in physical blocks 7, 2 (positions 0-3, 4-5)
+        # sequence 1: 3 tokens in physical block 5; the rest of each row is never read
+        block_tables = jnp.array([[7, 2, 0], [5, 99999, -7]], jnp.int32)
+        context_lens = jnp.array([6, 3], jnp.int32)
+        out = decode(q, k_cache, v_cache, block_tables, context_lens)   # [2, num_heads, head_dim]
 
     Args:
       q: ``[batch, num_heads, head_dim]``, the cache's dtype (fp32 / bf16 / fp16); any of the
@@ -129,56 +155,63 @@ def decode(
       scale: softmax scale, static; None means ``1 / sqrt(head_dim)``.
       logits_soft_cap: static ``cap > 0``: ``s = cap * tanh(s / cap)``.
       alibi_slopes: ``f32[num_heads]``: ``s += slope[h] * (p - (n - 1))``.
-      sliding_window: static ``W >= 1``: only the newest ``min(W, n)`` tokens; the kernel does not
-        read blocks wholly outside the window. A window at least the table's capacity is no window.
+      sliding_window: static ``W >= 1``: only the newest ``min(W, n)`` tokens; the kernels do not
+        read blocks wholly outside the window. A window at least the table's capacity is no
+        window.
       sinks: ``f32[num_heads]``, one extra logit per head in the softmax denominator.
       k_scale, v_scale: per-tensor dequantization scales of an fp8 cache: python floats or
         ``f32[]`` arrays (shape ``(1,)`` accepted), operands of the program (one compiled program
         for every value).
       return_lse: also return ``lse f32[batch, num_heads]`` (``-inf`` for ``n == 0``).
-      impl: ``"auto"`` (the default: ``"mosaic"`` where it measured faster than ``"pallas"`` for
-        this shape class on this device kind and can run the call compiled, else ``"pallas"``;
-        an explicit ``config`` picks the kernel of its type; see `auto_impl`), ``"pallas"`` (the
-        Triton kernel; it cannot address fp8 caches of 2**31 to 2**32 elements: ValueError),
-        ``"xla"`` (plain jnp, the readable reference) or ``"mosaic"`` (the Mosaic GPU kernel,
-        ``mosaic_gpu.py``: jax >= 0.11.2, sm_90+, bf16/fp16 queries, head_dim 64, 128, 192 or
-        256).
+      impl: ``"auto"`` (the default: the kernel measured faster for this shape class on this
+        device kind, see `select_kernel`), ``"pallas"`` (the Triton kernel), ``"mosaic"`` (the
+        Mosaic GPU kernel: jax >= 0.11.2, sm_90+ or interpret mode, bf16/fp16 queries, head_dim
+        64, 128, 192 or 256) or ``"xla"`` (plain jnp). docs/BACKENDS.md compares them.
       interpret: Pallas interpret mode; None means exactly when there is no GPU backend.
       config: kernel knobs (`DecodeConfig` for ``"pallas"``, `MosaicDecodeConfig` for
         ``"mosaic"``, either for ``"auto"``); None takes the tuned table's entry for this shape
         class, or the heuristic.
+      check_values: when the arrays are concrete (an eager call, not under ``jax.jit``), check
+        their values as torch_ref does (`validate_decode_inputs`: lengths within the table's
+        capacity, block ids in range in the valid part of each table, fp8 scales finite and
+        positive), which fetches them to the host. False skips that for a hot eager loop;
+        traced calls never check values (see Raises).
 
     Returns:
       ``out [batch, num_heads, head_dim]`` in ``q.dtype``, or ``(out, lse)`` with ``return_lse``.
 
     Raises:
       ValueError: before anything runs (under jit: at trace time), for wrong ranks, shapes or
-        dtypes, ``num_heads % num_kv_heads``, bad options or an unknown ``impl``. Values are not
-        checked (they cannot raise under jit): see `validate_decode_inputs` and the module
-        docstring of `pallas_paged._validation`.
+        dtypes, ``num_heads % num_kv_heads``, bad options, an unknown ``impl`` or a kernel that
+        cannot run the call; in an eager call with ``check_values``, for bad values. Under jit,
+        values cannot raise: lengths are clamped into ``[0, max_blocks * block_size]`` and block
+        ids in the valid part of a table into ``[0, num_blocks)`` (docs/RELIABILITY.md).
     """
     options = dict(scale=scale, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
                    sliding_window=sliding_window, sinks=sinks)
     _validation.static_validate_decode(q, k_cache, v_cache, block_tables, context_lens,
                                        k_scale=k_scale, v_scale=v_scale, **options)
-    if isinstance(impl, str) and impl == "auto":
-        impl = auto_impl(q, k_cache, block_tables, interpret=interpret, config=config)
-    _validation.static_validate_call(
-        k_cache, impl=impl, impls=DECODE_IMPLS, return_lse=return_lse, interpret=interpret,
-        config=config, config_type=MosaicDecodeConfig if impl == "mosaic" else DecodeConfig)
+    _validation.static_validate_call(k_cache, impl=impl, impls=DECODE_IMPLS,
+                                     return_lse=return_lse, interpret=interpret,
+                                     check_values=check_values)
+    if check_values and _validation.is_concrete(block_tables, context_lens, k_scale, v_scale):
+        _validation.check_decode_values(k_cache, block_tables, context_lens, k_scale, v_scale)
+    interpret = resolve_interpret(interpret)
+    impl, config = select_kernel(q, k_cache, block_tables, impl=impl, config=config,
+                                 interpret=interpret)
+    if impl == "mosaic":
+        warn_if_interpret_may_stall(interpret, 1 + config.num_consumers, fewer="num_consumers")
     num_blocks, block_size = k_cache.shape[:2]
     capacity = block_tables.shape[1] * block_size
     if sliding_window is not None and sliding_window >= capacity:
         sliding_window = None  # every position p in [0, n) has p > n - 1 - W: no window
-    if impl in ("pallas", "mosaic") and config is None and q.shape[0] > 0 and capacity > 0:
-        config = picked_config(q, k_cache, block_tables, impl=impl)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     out, lse = _decode_jit(
         q, k_cache, v_cache, _validation.host_clamp_index(block_tables, 0, num_blocks - 1),
         _validation.host_clamp_index(context_lens, 0, capacity), alibi_slopes, sinks,
         scale_operand(k_scale), scale_operand(v_scale), scale=scale,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, impl=impl,
-        interpret=resolve_interpret(interpret), config=config)
+        interpret=interpret, config=config)
     return (out, lse) if return_lse else out
 
 
@@ -188,7 +221,8 @@ def decode(
 def _decode_jit(q, k_cache, v_cache, block_tables, context_lens, alibi_slopes, sinks, k_scale,
                 v_scale, *, scale: float, logits_soft_cap, sliding_window, impl: str,
                 interpret: bool, config):
-    """`decode` after validation: ``scale`` resolved, ``k_scale`` / ``v_scale`` ``f32[]`` or None.
+    """`decode` after validation and `select_kernel`: ``scale`` resolved, ``k_scale`` /
+    ``v_scale`` ``f32[]`` or None.
 
     Returns ``(out, lse)``. int64 indices are clamped in int64 here, before they are narrowed.
     """

@@ -43,7 +43,7 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
 2. `_merge_parts_kernel` merges the parts otherwise, one warpgroup per (sequence, kv head): the
    parts' max, their weighted sums (the parts' ``O^T`` read by TMA in chunks, one ahead), then
    the same `write_normalized` (`merges_in_mosaic`: with the queries in N and groups of 4 or
-   more). For the queries in M and for groups of 1 or 2, `_merge_splits` (XLA, shared with the
+   more). For the queries in M and for groups of 1 or 2, `merge_splits` (XLA, shared with the
    Triton kernel) merges after `decode_mosaic` dequantizes the values.
 3. `decode_kernel_call` checks what the kernel supports, builds the padded (and, for fp8 caches,
    range-shifted) query, calls the kernel over the grid ``(batch, num_kv_heads, num_splits)``
@@ -85,20 +85,20 @@ Supported (anything else is a ValueError naming the argument):
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_paged._platform import has_gpu, sm_count, xla_cpu_threads
-from pallas_paged.decode_attention.configs import MosaicDecodeConfig
-from pallas_paged.cache_write.fp8 import kernel_scale_operands
-from pallas_paged.decode_attention.pallas_triton import (FP16_SAFE_MAX, _merge_splits, divides,
-                                                         dot_dtype, finite_total_max, tile_range)
+from pallas_paged._attention_common import divides, finite_total_max, merge_splits, tile_range
+from pallas_paged._fp8 import kernel_scale_operands
+from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, allocated, check_device, check_jax,
+                                         ctas_per_sm, import_plgpu, mma_smem, mma_swizzle)
+from pallas_paged._platform import sm_count
+from pallas_paged._triton_common import FP16_SAFE_MAX, dot_dtype
+from pallas_paged.decode_attention.mosaic_gpu_config import MosaicDecodeConfig
 
-MIN_JAX = (0, 11, 2)  # plgpu.kernel with out_type / scratch_types and warpgroup semantics
 MMA_ROWS = 64  # wgmma's M: the query rows of a group, padded with zero queries
 MMA_COLUMNS = 8  # the unit of wgmma's N: with queries_in_n, the group is padded to a multiple
 TRANSPOSE_K = 16  # wgmma's K for 16-bit operands: the rows of O^T's transposing product
@@ -111,9 +111,6 @@ PRODUCER = 0  # the producer warpgroup; consumers are warpgroups 1 .. num_consum
 # accumulators and scores live in registers.
 PRODUCER_REGISTERS = 40
 REGISTERS_PER_SM = 64 * 1024
-MAX_SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on sm_90
-SMEM_PER_SM = 228 * 1024  # shared memory of an sm_90 multiprocessor
-SMEM_RESERVED_PER_CTA = 1024  # of it, what the driver reserves for each resident CTA
 # The shared memory Mosaic GPU places at the end of the scoped allocations for a reduction across
 # the warps of a warpgroup (its CompilerParams.reduction_scratch_bytes, passed explicitly). Every
 # warpgroup's reductions at one point of the program use the same bytes, so the consumers after
@@ -123,17 +120,9 @@ REDUCTION_SCRATCH_BYTES = 2048
 # Shared memory Mosaic GPU's kernel takes beyond the scratch below (measured on the H200, jax
 # 0.11.2: a CTA of 230504 scratch bytes was 232552 bytes).
 MOSAIC_OWN_SMEM_BYTES = 2048
-# Pallas places each scoped shared-memory allocation at a multiple of this many bytes (its
-# SMEM_ALIGNMENT), so an allocation takes its size rounded up to it (`allocated`).
-SMEM_ALIGNMENT = 1024
 # Mosaic GPU's compiler parameters for the kernel: exact math (exp, division), as the parity
 # bounds were met with; `benchmarks.bench_mosaic --compiler-param` times others beside these.
 COMPILER_PARAMS = {"approx_math": False, "reduction_scratch_bytes": REDUCTION_SCRATCH_BYTES}
-
-
-def allocated(*nbytes: int) -> int:
-    """The shared memory scoped allocations of ``nbytes`` bytes each take (`SMEM_ALIGNMENT`)."""
-    return sum(-(-int(n) // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for n in nbytes)
 
 
 def v_converted_stages(num_consumers: int) -> int:
@@ -182,11 +171,6 @@ def lower_apart(plgpu, count: int, lower, apart: bool) -> None:
         lower(i)
 
     from_level(0)
-
-
-def ctas_per_sm(smem: int) -> int:
-    """CTAs of ``smem`` bytes of shared memory one sm_90 multiprocessor holds at once."""
-    return max(1, SMEM_PER_SM // (smem + SMEM_RESERVED_PER_CTA))
 
 
 def finalizes(config: MosaicDecodeConfig, *, batch: int, kvh: int, group: int, head_dim: int,
@@ -309,7 +293,7 @@ def merge_smem_bytes(parts: int, head_dim: int, q_rows: int, out_dtype) -> int:
 def merges_in_mosaic(config: MosaicDecodeConfig, *, group: int, head_dim: int, out_dtype,
                      finalize: bool) -> bool:
     """Whether the parts are merged by `merge_parts_mosaic` (one launch, and the kernel reads the
-    query unpadded before it: `reads_rows_of_8`) instead of XLA's `_merge_splits` (a transpose
+    query unpadded before it: `reads_rows_of_8`) instead of XLA's `merge_splits` (a transpose
     and reductions): where each (sequence, kv head) has several parts, with the queries in N
     (the parts are ``O^T``), and the group's lse values a multiple of 16 bytes (TMA copies them;
     MHA's group of 1 is merged by XLA).
@@ -349,7 +333,7 @@ def _merge_parts_kernel(
     out_dtype,
     launched_early: bool = False,
 ):
-    """`_merge_splits` for one (sequence, kv head) of the decode kernel's parts, in one
+    """`merge_splits` for one (sequence, kv head) of the decode kernel's parts, in one
     warpgroup: the parts' max, then their weighted sums of ``l`` and ``O^T`` (read in chunks of
     parts, one TMA ahead), normalized and written as the kernel writes one part
     (`write_normalized`). With ``rows_of_8`` the parts' columns are the kernel's box of 8 query
@@ -430,7 +414,7 @@ def launches_early(interpret: bool) -> bool:
 
 def merge_parts_mosaic(o, m, l, lens, sinks, v_scale, *, group: int, capacity: int,
                        rows_of_8: bool, out_dtype, interpret: bool, launched_early: bool):
-    """`_merge_splits` of the decode kernel's parts as one Mosaic GPU kernel over the grid
+    """`merge_splits` of the decode kernel's parts as one Mosaic GPU kernel over the grid
     ``(batch, num_kv_heads)`` (`_merge_parts_kernel`), where `merges_in_mosaic`.
 
     Args:
@@ -445,7 +429,7 @@ def merge_parts_mosaic(o, m, l, lens, sinks, v_scale, *, group: int, capacity: i
     Returns:
       ``(out [batch, kvh, group, head_dim] in out_dtype, lse f32[batch, kvh, group])``.
     """
-    plgpu = _plgpu()
+    plgpu = import_plgpu()
     batch, kvh, parts, head_dim, q_rows = o.shape
     chunk = merge_chunk(parts, head_dim, q_rows)
     scratch = (
@@ -519,74 +503,6 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
     return total + MOSAIC_OWN_SMEM_BYTES
 
 
-def jax_version() -> tuple[int, ...]:
-    parts = []
-    for piece in jax.__version__.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
-def check_jax() -> None:
-    """ValueError unless this jax has the ``plgpu.kernel`` API the kernel is written for."""
-    if jax_version() < MIN_JAX:
-        raise ValueError(
-            f"impl='mosaic' needs jax >= {'.'.join(map(str, MIN_JAX))} (plgpu.kernel), found"
-            f" jax {jax.__version__}: use impl='pallas' or impl='xla'")
-
-
-def _plgpu():
-    """``jax.experimental.pallas.mosaic_gpu``, or ValueError where its API is not the one used."""
-    check_jax()
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    return plgpu
-
-
-def check_device(interpret: bool) -> None:
-    """ValueError unless the kernel can run here: interpret mode anywhere, compiled on sm_90+."""
-    if interpret:
-        return
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        raise ValueError(
-            f"impl='mosaic' compiled (interpret=False) needs an NVIDIA GPU, found"
-            f" {device.platform!r} ({device.device_kind}): pass interpret=True or use impl='xla'")
-    capability = getattr(device, "compute_capability", None)
-    if capability is None:
-        raise ValueError(f"impl='mosaic' needs an NVIDIA GPU of compute capability >= 9.0, found"
-                         f" {device.device_kind!r}: use impl='pallas'")
-    major = int(str(capability).split(".")[0])
-    if major < 9:
-        raise ValueError(
-            f"impl='mosaic' needs compute capability >= 9.0 (Hopper: TMA, wgmma), found"
-            f" {device.device_kind!r} with compute capability {capability}: use impl='pallas'")
-
-
-def warn_if_interpret_may_stall(interpret: bool, config: MosaicDecodeConfig) -> None:
-    """A ``RuntimeWarning`` where interpret mode can wait forever: it runs each warpgroup of a CTA
-    as a JAX computation of its own, whose barrier waits block inside host callbacks that XLA may
-    run on its CPU thread pools; with more warpgroups than pool threads (`xla_cpu_threads`), the
-    waiting ones can hold every thread while the one they wait for queues behind them. And where
-    JAX's default backend is a GPU: there a call of two sequences did not finish in 100 s on an
-    H200 (2026-12-04; 3 s on a CPU), so interpret mode belongs on the CPU."""
-    if interpret and has_gpu():
-        warnings.warn(
-            "impl='mosaic' in interpret mode with a GPU as JAX's default backend: its warpgroups"
-            " wait on each other inside host callbacks, and on an H200 a call of two sequences"
-            " did not finish in 100 s (3 s on a CPU); run interpret mode on the CPU"
-            " (JAX_PLATFORMS=cpu), or compiled on the GPU (interpret=False)",
-            RuntimeWarning, stacklevel=2)
-    warpgroups = 1 + config.num_consumers
-    threads = xla_cpu_threads()
-    if interpret and warpgroups > threads:
-        warnings.warn(
-            f"impl='mosaic' in interpret mode: the kernel's {warpgroups} warpgroups wait on each"
-            f" other inside host callbacks that XLA's CPU thread pools run, and those pools have"
-            f" {threads} threads here, so the call can wait forever; set NPROC={max(8, warpgroups)}"
-            f" in the environment before JAX starts, or use fewer num_consumers",
-            RuntimeWarning, stacklevel=2)
-
-
 def check_supported(q, k_cache, config: MosaicDecodeConfig) -> None:
     """ValueError naming the argument for every shape or dtype this kernel does not handle."""
     _, num_heads, head_dim = q.shape
@@ -620,12 +536,12 @@ def check_supported(q, k_cache, config: MosaicDecodeConfig) -> None:
 
 
 def refusal(q, k_cache, config: MosaicDecodeConfig, interpret: bool) -> str | None:
-    """Why `decode_mosaic` would refuse this call (the message of its ValueError), or None.
+    """Why this kernel cannot run the call (a ValueError's message), or None where it can.
 
-    The checks `decode_mosaic` makes, in its order, without raising: the jax version
-    (`check_jax`), the shapes and dtypes for ``config`` (`check_supported`), then the device for
-    ``interpret`` (`check_device`). Reads only ``.shape`` and ``.dtype`` of ``q`` and ``k_cache``
-    (`jax.ShapeDtypeStruct` will do), so callers can ask before building any input.
+    The jax version (`check_jax`), the shapes and dtypes for ``config`` (`check_supported`), then
+    the device for ``interpret`` (`check_device`). Reads only ``.shape`` and ``.dtype`` of ``q``
+    and ``k_cache`` (`jax.ShapeDtypeStruct` will do), so callers can ask before building any
+    input; `pallas_paged.decode` asks once per call, before `decode_mosaic`.
     """
     try:
         check_jax()
@@ -744,7 +660,6 @@ def _paged_decode_kernel(
     out_dtype,
     rows_of_8: bool = False,
     programs: int | None = None,
-    producer_only: bool = False,
     launches_merge: bool = False,
 ):
     if launches_merge:  # the merge kernel's CTAs may start now and wait for this grid's end
@@ -1021,14 +936,11 @@ def _paged_decode_kernel(
         def consume_item(j, it, base):
             qslot = jax.lax.rem(j, q_slots)
             plgpu.barrier_wait(q_bars.at[qslot])
-            if producer_only:
-                consume_nothing(c, it, base, k_bars, v_bars, free_bars, vconv_bars, vfree_bars)
-            else:
-                attend(c, it, base, q_smem.at[qslot], k_smem, v_smem, kc_smem,
-                       vc_smem, p_smem, None if alibi_smem is None else alibi_smem.at[qslot],
-                       o_smem, ml_smem, k_bars, v_bars, free_bars, vconv_bars, vfree_bars,
-                       store_v, sinks_smem=None if sinks_smem is None else sinks_smem.at[qslot],
-                       final_smem=final_smem)
+            attend(c, it, base, q_smem.at[qslot], k_smem, v_smem, kc_smem,
+                   vc_smem, p_smem, None if alibi_smem is None else alibi_smem.at[qslot],
+                   o_smem, ml_smem, k_bars, v_bars, free_bars, vconv_bars, vfree_bars,
+                   store_v, sinks_smem=None if sinks_smem is None else sinks_smem.at[qslot],
+                   final_smem=final_smem)
             if q_free_bars is not None:
 
                 @pl.when(j + q_slots < my_items)
@@ -1170,35 +1082,8 @@ def _paged_decode_kernel(
         else:
             write_partials(c, it, acc, m, l_parts.sum(axis=token_axis), o_smem, ml_smem)
 
-    def consume_nothing(c, it, base, k_bars, v_bars, free_bars, vconv_bars, vfree_bars):
-        """The timing probe's consumer ``c`` on item ``it``: waits for each of its tiles (with
-        ``fp8_v_in_producer``, for K and the converted V) and frees them at once (no math, and
-        no partial result written: the probe's output is not attention)."""
-        num_tiles = it.num_tiles
-        my_tiles = (num_tiles - c + num_consumers - 1) // num_consumers
-
-        @pl.loop(0, my_tiles)
-        def _drain(i):
-            step = c + i * num_consumers
-            slot = jax.lax.rem(base + step, num_stages)
-            plgpu.barrier_wait(k_bars.at[slot])
-            if fp8_v_in_producer:
-                vslot = jax.lax.rem(step, v_ring)
-                plgpu.barrier_wait(vconv_bars.at[vslot])
-
-                @pl.when(step + v_ring < num_tiles)
-                def _free_converted():
-                    plgpu.barrier_arrive(vfree_bars.at[vslot])
-
-                @pl.when(step + num_stages < num_tiles)
-                def _free():
-                    plgpu.barrier_arrive(free_bars.at[slot])
-            else:
-                plgpu.barrier_wait(v_bars.at[slot])
-                plgpu.barrier_arrive(free_bars.at[slot])  # the producer waits for every arrival
-
     def write_final(it, acc, m, l, sinks_smem, ml_smem, final_smem):
-        """The one part of item ``it``, normalized as `_merge_splits` normalizes one split (the
+        """The one part of item ``it``, normalized as `merge_splits` normalizes one split (the
         same operations in the same order: ``v_scale``, the sink, the division), written to
         ``out`` and ``lse`` (`write_normalized`): no merge after the kernel."""
         out_ref, lse_ref = out_refs
@@ -1276,7 +1161,7 @@ def per_query_axis(vector, shape, query_axis: int):
 
 def write_normalized(plgpu, o, m_total, l_total, *, n, b, h, group: int, group_column,
                      queries_in_n: bool, out_dtype, final_smem, lse_smem, out_ref, lse_ref):
-    """The end of a softmax over all parts of one (sequence, kv head), as `_merge_splits` ends it:
+    """The end of a softmax over all parts of one (sequence, kv head), as `merge_splits` ends it:
     ``out = o / l_total`` where `divides` (else zeros; a row with ``n == 0`` gives zeros and ``lse
     = -inf``), ``lse = m_total + log(l_total)``, written to ``out_ref[b, h]`` ``[group, D]`` and
     ``lse_ref[b, h]`` ``[group]`` by TMA.
@@ -1384,20 +1269,6 @@ def final_smem_bytes(q_rows: int, head_dim: int, out_dtype, queries_in_n: bool) 
     return allocated(*(itemsize * n for n in (MMA_ROWS * head_dim, *transposing)))
 
 
-def mma_swizzle(row_bytes: int) -> int:
-    """The widest swizzle (32, 64 or 128 bytes) rows of ``row_bytes`` allow."""
-    return 128 if row_bytes % 128 == 0 else 64 if row_bytes % 64 == 0 else 32
-
-
-def mma_smem(plgpu, shape, dtype, swizzle: int | None = None):
-    """Shared memory for a wgmma operand (or a TMA destination read as one): 8-row tiles of
-    ``swizzle`` bytes, by default the widest swizzle the rows allow (`mma_swizzle`)."""
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = swizzle or mma_swizzle(shape[-1] * itemsize)
-    return plgpu.SMEM(shape, dtype, transforms=(
-        plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
-
-
 def fp8_tile_in_registers(plgpu, ref, dtype):
     """The fp8 ``[rows, D]`` tile ``ref`` (shared memory) in registers, converted to ``dtype``
     (`_from_fp8`), in wgmma's register layout (its A operand): loaded in the layout whose upcast
@@ -1419,7 +1290,7 @@ def _copies_per_tile(block_size: int, block_k: int) -> int:
 
 def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                        config: MosaicDecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
-                       sliding_window, sinks, k_scale, v_scale, producer_only: bool = False):
+                       sliding_window, sinks, k_scale, v_scale):
     """The kernel over the grid ``(batch, num_kv_heads, num_splits)`` (persistent: over
     `persistent_programs` CTAs), with the XLA work that builds its operands (the query padded to
     the kernel's rows where it is not read in boxes of 8, for fp8 caches divided into fp16's
@@ -1433,19 +1304,16 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
       merge follows it, ``(out [batch, kvh, group, head_dim] in q.dtype, lse f32[batch, kvh,
       group])``; else the partial ``(o f32[batch, kvh, P, group, head_dim], m, l f32[batch, kvh,
       P, group])`` of the ``P = num_splits * num_consumers`` parts, unnormalized and without
-      ``v_scale`` or the sinks, which `_merge_splits` combines.
+      ``v_scale`` or the sinks, which `merge_splits` combines.
     """
-    plgpu = _plgpu()
-    check_supported(q, k_cache, config)
-    check_device(interpret)
-    warn_if_interpret_may_stall(interpret, config)
+    plgpu = import_plgpu()
     batch, num_heads, head_dim = q.shape
     _, _, kvh, _ = k_cache.shape
     group = num_heads // kvh
     splits = config.num_splits
     parts = splits * config.num_consumers  # partial results per (sequence, kv head)
     compute_dtype = dot_dtype(q.dtype, k_cache.dtype)  # fp16 for fp8 caches
-    finalize = not producer_only and finalizes(
+    finalize = finalizes(
         config, batch=batch, kvh=kvh, group=group, head_dim=head_dim, cache_dtype=k_cache.dtype,
         compute_dtype=compute_dtype, sm_count=sm_count())
     lens = context_lens.astype(jnp.int32)
@@ -1455,7 +1323,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     # fp8 with a bf16 query, for the fp16 wgmmas: the query divided by the power of two that brings
     # each group's largest |q| under 2**15 (exact), the scores multiplied back in the kernel.
     converts_query = k_scale is not None and compute_dtype != q.dtype
-    merge_in_mosaic = not producer_only and merges_in_mosaic(
+    merge_in_mosaic = merges_in_mosaic(
         config, group=group, head_dim=head_dim, out_dtype=q.dtype, finalize=finalize)
     # one decision for both kernels: the decode kernel triggers what the merge kernel waits for
     merge_launched_early = merge_in_mosaic and launches_early(interpret)
@@ -1502,7 +1370,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
         fp8_v_in_producer=config.fp8_v_in_producer and compute_dtype != k_cache.dtype,
         soft_cap=logits_soft_cap, window=sliding_window,
         compute_dtype=compute_dtype, finalize=finalize, out_dtype=q.dtype, rows_of_8=rows_of_8,
-        programs=programs, producer_only=producer_only,
+        programs=programs,
         launches_merge=merge_launched_early)
     # fp8: the scales (python floats or traced f32[]) operands, so one program serves every scale
     k_scale_operand, v_scale_operand = kernel_scale_operands(k_scale, v_scale)
@@ -1530,8 +1398,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
             + ("_kreg" if k_in_registers else "")
             + ("_vprod" if config.fp8_v_in_producer and compute_dtype != k_cache.dtype else "")
             + ("_final" if finalize else "")
-            + (f"_persistent{programs}" if programs else "")
-            + ("_producer_only" if producer_only else ""))
+            + (f"_persistent{programs}" if programs else ""))
     outs = plgpu.kernel(
         kernel_body,
         out_type=out_type,
@@ -1558,32 +1425,25 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
 
 def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                   config: MosaicDecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
-                  sliding_window, sinks, k_scale, v_scale, producer_only: bool = False):
+                  sliding_window, sinks, k_scale, v_scale):
     """The Mosaic GPU kernel over the grid ``(batch, num_kv_heads, num_splits)`` and, where it
     leaves several parts per (sequence, kv head), the Mosaic merge (`decode_kernel_call`), or
-    XLA's (`_merge_splits`) where that one does not apply (`merges_in_mosaic`).
+    XLA's (`merge_splits`) where that one does not apply (`merges_in_mosaic`).
 
     Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float).
-    ``producer_only=True`` is a timing probe for `benchmarks.bench_mosaic`, not attention: the
-    producer streams every tile as usual (converting V with ``fp8_v_in_producer``), the
-    consumers only wait for each tile and free it and write nothing, so the output is
-    meaningless.
+
+    The caller has checked the call (`refusal`).
 
     Returns:
       ``(out [batch, num_heads, head_dim] in q.dtype, lse f32[batch, num_heads])``. ``k_scale`` /
       ``v_scale`` may be python floats or ``f32[]`` arrays: both enter the program as operands.
-
-    Raises:
-      ValueError: on jax < 0.11.2, on GPUs before sm_90 (compiled), and for shapes or dtypes the
-        kernel does not support (see the module docstring).
     """
     batch, num_heads, head_dim = q.shape
     kvh = k_cache.shape[2]
     outs = decode_kernel_call(
         q, k_cache, v_cache, block_tables, context_lens, scale=scale, config=config,
         interpret=interpret, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-        producer_only=producer_only)
+        sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     if len(outs) == 2:  # the kernel finalized, or the Mosaic merge followed it
         out, lse = outs
     else:
@@ -1594,6 +1454,6 @@ def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                      block_tables.shape[1] * k_cache.shape[1])
         sinks_per_head = None if sinks is None else sinks.astype(jnp.float32).reshape(
             kvh, num_heads // kvh)
-        out, lse = _merge_splits(o, m, l, n, sinks_per_head)
+        out, lse = merge_splits(o, m, l, n, sinks_per_head)
     return (out.astype(q.dtype).reshape(batch, num_heads, head_dim),
             lse.reshape(batch, num_heads))

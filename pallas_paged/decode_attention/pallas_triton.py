@@ -13,7 +13,7 @@ Read top to bottom (the public function is `pallas_paged.decode_attention.api.de
 2. `decode_kernel_call` builds the grid ``(batch, num_kv_heads, num_splits)`` and calls
    ``pallas_call``; `decode_pallas` then, when the KV axis is split (flash-decoding), merges the
    partial ``(o, m, l)`` results with a second, small kernel (`merge_splits_pallas`, the Pallas
-   form of `_merge_splits`, which the Mosaic GPU path keeps), or, with
+   form of `merge_splits`, which the Mosaic GPU path keeps), or, with
    ``DecodeConfig.merge_in_kernel``, inside the kernel: each split counts its arrival with an
    atomic add, and the last to arrive merges (`merge_partials_in_program`): one launch. The
    tile loop (`attend_tiles`), the query load and the normalized store are shared with:
@@ -45,50 +45,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_paged._attention_common import (balanced_share, divides, merged_max_and_sum,
+                                            share_owner, tile_range)
+from pallas_paged._fp8 import kernel_scale_operands
 from pallas_paged._platform import next_power_of_2
-from pallas_paged.cache_write.fp8 import kernel_scale_operands
-from pallas_paged.decode_attention.configs import DecodeConfig
-
-MIN_DOT_ROWS = 16  # the smallest M of a Triton dot
-FP16_SAFE_MAX = 2.0**15  # a bf16 query is scaled under this before its fp16 dot
-HIGHEST = jax.lax.Precision.HIGHEST  # fp32 operands -> IEEE fp32 dot (Triton's default is TF32)
-
-
-def dot_dtype(q_dtype, cache_dtype):
-    """The operand dtype of the kernel's two dots (both accumulate in fp32).
-
-    The query's dtype, except for fp8 caches with a bf16 query: fp8 -> fp16 is one packed
-    conversion per two elements on sm_89+ where fp8 -> bf16 takes several, and fp16 holds every
-    e4m3 value exactly, so the dots run in fp16. fp16 holds every bf16 value of magnitude
-    2**-14 .. 2**15 exactly; the kernel divides the query by a power of two that brings it under
-    2**15 (and multiplies the scores back), so only elements below 2**-14 of the largest lose
-    bits, far under the rounding of the scores.
-    """
-    if jnp.dtype(cache_dtype) == jnp.dtype(jnp.float8_e4m3fn) and q_dtype != jnp.float32:
-        return jnp.float16
-    return jnp.dtype(q_dtype)
-
-
-LOG2_E = 1.4426950408889634
-
-
-def softmax_exp(x, *, interpret: bool):
-    """``e ** x`` (f32) for the kernels' online softmax.
-
-    Compiled: ``2 ** (x * log2(e))`` with PTX's ``ex2.approx.ftz.f32``, one multiply and one
-    hardware exp2 per element, where ``jnp.exp`` lowers to libdevice's ``expf`` (about 8
-    instructions; Nsight Compute on the H200 counted the softmax's floating-point work at 45% of
-    the ragged kernel's instructions on a mixed batch). Its relative error, a few units in
-    fp32's last place (results under 2**-126 flush to 0), is of the order of the scores' own
-    rounding. Interpret mode (no PTX): ``jnp.exp``.
-    """
-    if interpret:
-        return jnp.exp(x)
-    y = x * LOG2_E
-    [out] = plgpu.elementwise_inline_asm(
-        "ex2.approx.ftz.f32 $0, $1;", args=[y], constraints="=r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, jnp.float32)])
-    return out
+from pallas_paged._triton_common import (MIN_DOT_ROWS, column_parts, dot_dtype, dot_nn, dot_nt,
+                                         load_kv_parts, merge_splits_pallas, query_for_dots,
+                                         slot_major, softmax_exp, uses_fp8_pairs, with_sink)
+from pallas_paged.decode_attention.pallas_triton_config import DecodeConfig
 
 
 def value_tile_for_dot(v, compute_dtype, col_ok, *, at_load: bool):
@@ -108,228 +72,6 @@ def value_tile_for_dot(v, compute_dtype, col_ok, *, at_load: bool):
     if not at_load or jnp.dtype(v.dtype).itemsize != 1:
         return v.astype(compute_dtype)
     return v.astype(compute_dtype) * col_ok.astype(compute_dtype)[None, :]
-
-
-# u16 words that one compiled conversion of `fp8_pairs_to_f16` reads: 2 (the two words' low
-# bytes, then their high bytes, brought together by one byte permute that the even and the odd
-# output's conversions share: fp8_b32_ctx4096's tile loop 692 instructions against 764 compiled
-# for sm_90, `python -m benchmarks.triton_sass --pair-words 2`; on an H200, 2026-12-02,
-# fp8_b32_ctx4096 70.7 us against 71.6 and fp8_b8_ctx16384 74.4 against 75.3, the same outputs
-# bit for bit), or 1 (one `cvt` per word, then a byte permute per output register).
-PAIR_WORDS_PER_CONVERSION = 2
-
-
-def fp8_pairs_to_f16(words, *, interpret: bool, words_per_conversion: int | None = None):
-    """u16 words of two e4m3 values each (the even head column in the low byte, as a little-endian
-    view of the fp8 cache's rows) -> ``(even, odd)`` columns, each f16 of the words' shape.
-
-    Compiled: PTX ``cvt.rn.f16x2.e4m3x2``, one instruction per pair (exact: every e4m3 value,
-    NaN included, is an fp16 value). The tiles reach the dots from 16-bit loads, so Triton lays
-    the dots' operands out for 16-bit elements (two per register along K), where an fp8 load
-    feeding a dot makes it take four (`DecodeConfig.fp8_pairs` says what that costs).
-    ``words_per_conversion`` (default `PAIR_WORDS_PER_CONVERSION`): 2 converts two words per
-    inline assembly (Triton packs them into one register, in whatever order its layout gives;
-    each output element still depends only on its own word). Interpret mode (no PTX): the bytes
-    split with integer ops and converted by XLA.
-    """
-    per = PAIR_WORDS_PER_CONVERSION if words_per_conversion is None else words_per_conversion
-    if per not in (1, 2):
-        raise ValueError(f"words_per_conversion={per!r} must be 1 or 2")
-    if interpret:
-        def convert(byte):
-            return jax.lax.bitcast_convert_type(byte.astype(jnp.uint8),
-                                                jnp.float8_e4m3fn).astype(jnp.float16)
-        return convert(words & 0xFF), convert(words >> 8)
-
-    def inline_conversion(asm, constraints, pack):  # one per output (the lowering takes one)
-        [out] = plgpu.elementwise_inline_asm(
-            asm, args=[words], constraints=constraints, pack=pack,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.float16)])
-        return out
-    if per == 1:
-        asm = ("{ .reg .b32 pair; .reg .b16 other; cvt.rn.f16x2.e4m3x2 pair, $1; "
-               "mov.b32 %s, pair; }")
-        return tuple(inline_conversion(asm % unpack, "=h,h", 1) for unpack in ("{$0, other}",
-                                                                             "{other, $0}"))
-    # $1: words w0 (low half), w1; the permute 0x3120 orders the bytes w0.lo w1.lo w0.hi w1.hi
-    asm = ("{ .reg .b32 lows_highs; .reg .b16 lows, highs; "
-           "prmt.b32 lows_highs, $1, 0, 0x3120; mov.b32 {lows, highs}, lows_highs; "
-           "cvt.rn.f16x2.e4m3x2 $0, %s; }")
-    return tuple(inline_conversion(asm % half, "=r,r", 2) for half in ("lows", "highs"))
-
-
-def uses_fp8_pairs(fp8_pairs: bool, cache_dtype, head_dim: int) -> bool:
-    """Whether a kernel reads its caches as column pairs: asked for, an fp8 cache, an even
-    head_dim (elsewhere the option has no effect)."""
-    return fp8_pairs and jnp.dtype(cache_dtype).itemsize == 1 and head_dim % 2 == 0
-
-
-def slot_major(cache, *, fp8_pairs: bool):
-    """A cache ``[num_blocks, block_size, kvh, head_dim]`` as the kernels index it: ``[slots,
-    kvh, head_dim]``, or with ``fp8_pairs`` u16 words of two neighbouring columns, ``[slots,
-    kvh, head_dim / 2]`` (a bitcast: no copy)."""
-    num_blocks, block_size, kvh, head_dim = cache.shape
-    if not fp8_pairs:
-        return cache.reshape(num_blocks * block_size, kvh, head_dim)
-    pairs = cache.reshape(num_blocks * block_size, kvh, head_dim // 2, 2)
-    return jax.lax.bitcast_convert_type(pairs, jnp.uint16)
-
-
-def column_parts(padded_dim: int, head_dim: int, *, fp8_pairs: bool):
-    """The head's columns in the kernels' tiles: one part of all ``Dp = padded_dim`` columns, or
-    with ``fp8_pairs`` two of ``Dq = Dp / 2``, the even and the odd columns.
-
-    Returns:
-      ``(words, word_ok, part_cols)``: ``words`` i32[Dq], the index of a tile's row in the
-      `slot_major` cache (a column, or a word of two); ``word_ok`` bool[Dq], inside the head;
-      ``part_cols``, per part the head columns i32[Dq] it holds (for q loads and output stores).
-    """
-    parts = 2 if fp8_pairs else 1
-    words = jnp.arange(padded_dim // parts)
-    return words, words < head_dim // parts, [parts * words + part for part in range(parts)]
-
-
-# The L2 eviction policy of the K/V tile loads (Triton's ``evict_normal``, ``evict_first`` or
-# ``evict_last``; None: the default, normal). Each cached row is read once per call; a probe of
-# `benchmarks.decode_anatomy` ("K/V loads evict_first") times the other policy.
-KV_EVICTION_POLICY: str | None = None
-
-
-def load_kv_parts(ref, slot, h, words, mask, *, fp8_pairs: bool, interpret: bool):
-    """A tile of K or V rows (slots ``slot`` i32[Tk] of kv head ``h`` in the `slot_major` cache
-    ``ref``) as a tuple of its `column_parts` tiles [Tk, Dq]: with ``fp8_pairs`` the even and the
-    odd columns in fp16, else the rows in the cache's dtype. ``mask`` bool[Tk, Dq] or None (masked
-    elements are 0)."""
-    other = None if mask is None else (0 if fp8_pairs else 0.0)  # u16 words, or floats
-    tile = plgpu.load(ref.at[slot[:, None], h, words[None, :]], mask=mask, other=other,
-                      eviction_policy=KV_EVICTION_POLICY)
-    return fp8_pairs_to_f16(tile, interpret=interpret) if fp8_pairs else (tile,)
-
-
-def query_for_dots(qs, score_scale, compute_dtype):
-    """Tiles of queries in the dots' operand dtype, and the factor their scores take.
-
-    For fp16 dots over a bf16 (or fp32) query: bf16's range is wider than fp16's, so q is divided
-    by a power of two that brings ``max |q|`` under 2**15 (exact), and the scores are multiplied
-    back by it (see `dot_dtype`). ``qs`` may hold several tiles of one query (its even and odd
-    head columns, `DecodeConfig.fp8_pairs`): they share the power of two.
-
-    Returns:
-      ``(tuple of the tiles in compute_dtype, score_scale)``.
-    """
-    if compute_dtype == jnp.float16 and qs[0].dtype != jnp.float16:
-        qs = tuple(q.astype(jnp.float32) for q in qs)
-        q_max = functools.reduce(jnp.maximum, [jnp.max(jnp.max(jnp.abs(q), axis=1), axis=0)
-                                               for q in qs])
-        q_shift = jnp.exp2(jnp.maximum(jnp.ceil(jnp.log2(q_max / FP16_SAFE_MAX)), 0.0))
-        qs = tuple(q / q_shift for q in qs)
-        score_scale = score_scale * q_shift
-    return tuple(q.astype(compute_dtype) for q in qs), score_scale
-
-
-def with_sink(accs, m, l, sink):
-    """An online softmax's ``(accs, m, l)`` with one more logit ``sink`` per row and no value row.
-
-    Args:
-      accs: a tuple of ``f32[rows, D]`` accumulators of the rows (the head's columns, or parts of
-        them); m, l, sink: ``f32[rows]``.
-    """
-    m_total = jnp.maximum(m, sink)
-    correction = jnp.exp(m - m_total)
-    return (tuple(acc * correction[:, None] for acc in accs), m_total,
-            l * correction + jnp.exp(sink - m_total))
-
-
-def _dot_nt(a, b):
-    """``a @ b.T`` accumulated in fp32."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=HIGHEST,
-                               preferred_element_type=jnp.float32)
-
-
-def _dot_nn(a, b):
-    """``a @ b`` accumulated in fp32."""
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=HIGHEST,
-                               preferred_element_type=jnp.float32)
-
-
-def kv_ring_depth(num_stages: int) -> int:
-    """K (and V) tiles of one program in shared memory at once when Triton pipelines the tile
-    loop with ``num_stages``: the loop's K/V loads are issued that many tiles ahead.
-
-    Triton's pipeliner (its latency assignment, Triton 3.x) gives each load of a chain of
-    dependent loads feeding a dot ``(num_stages - 1) // (loads in the chain)`` stages of lead;
-    here the chain is two loads, a tile's block ids from the table, then the K/V rows they
-    address. With ``num_stages = 2`` the table load is left out (no stage is left for it) and the
-    K/V loads lead by one tile; from 3 the table load is pipelined too and the two share the
-    stages, so 2, 3 and 4
-    all keep **one** K/V tile in flight per program (issued after the tile before was consumed,
-    so a program's copies do not overlap its own dots), 5 and 6 two, 7 and 8 three. 1: no
-    pipelining (0). Checked against the compiled kernel on the CPU by
-    ``python -m benchmarks.triton_sass`` (which reads the depth from the Triton GPU IR).
-    """
-    if num_stages < 2:
-        return 0
-    return max(1, (num_stages - 1) // 2)
-
-
-def balanced_share(count, part, num_parts):
-    """Part ``part``'s contiguous share ``[lo, hi)`` of ``count`` items dealt to ``num_parts``
-    parts: the first ``count % num_parts`` shares one item longer than the others, so the
-    lengths differ by at most one and the longest is ``ceil(count / num_parts)``. Computed
-    without the product ``count * num_parts`` (no int32 overflow for any count).
-
-    Args:
-      count: int32 scalar >= 0; part: int32 scalar in ``[0, num_parts)``; num_parts: int >= 1.
-    """
-    base, extra = count // num_parts, count % num_parts
-    lo = base * part + jnp.minimum(part, extra)
-    longer = jnp.clip(extra - part, 0, 1)  # 1 for the first `extra` parts (no bool -> int)
-    return lo, lo + base + longer
-
-
-def share_owner(item, count, num_parts):
-    """The part whose `balanced_share` of ``count`` items holds ``item`` (``0 <= item <
-    count``), as an int32 scalar."""
-    base, extra = count // num_parts, count % num_parts
-    long_items = extra * (base + 1)  # the items of the longer shares, first
-    return jnp.where(item < long_items, item // (base + 1),
-                     extra + (item - long_items) // jnp.maximum(base, 1))
-
-
-def split_share(tile_lo, tile_hi, split, num_splits: int):
-    """Split ``split``'s contiguous share of the tiles ``[tile_lo, tile_hi)``, of ``num_splits``.
-
-    Balanced (`balanced_share`): the shares' lengths differ by at most one tile, so a split
-    count that does not divide the tiles leaves no split idle while others walk a full share
-    (with ``ceil(count / num_splits)`` tiles per share, 512 tiles over 33 splits left the 33rd
-    empty); the longest share is ``ceil(count / num_splits)`` tiles either way. Every share is
-    empty when ``count`` is 0 and some are when ``count < num_splits``.
-
-    Returns:
-      ``(lo, hi)`` int32 scalars with ``tile_lo <= lo <= hi <= tile_hi``.
-    """
-    count = jnp.maximum(tile_hi - tile_lo, 0)
-    lo, hi = balanced_share(count, split, num_splits)
-    return tile_lo + lo, tile_lo + hi
-
-
-def tile_range(n, split, *, block_k: int, num_splits: int, window: int | None):
-    """The tiles one program walks: ``[tile_lo, tile_hi)`` of ``block_k`` tokens each.
-
-    A sequence of ``n`` tokens has tiles ``first // block_k .. ceil(n / block_k) - 1``, where
-    ``first = max(n - window, 0)`` is the oldest position inside the sliding window (0 without
-    one): tiles wholly outside the window, and tiles past ``n``, are never visited, so their pages
-    are never read. Split ``split`` of ``num_splits`` takes its balanced contiguous share
-    (`split_share`); a share may be empty (``tile_lo >= tile_hi``).
-
-    Returns:
-      ``(first, tile_lo, tile_hi)`` as int32 scalars.
-    """
-    first = jnp.int32(0) if window is None else jnp.maximum(n - window, 0)
-    tile_lo, tile_hi = first // block_k, (n + block_k - 1) // block_k
-    if num_splits > 1:
-        tile_lo, tile_hi = split_share(tile_lo, tile_hi, split, num_splits)
-    return first, tile_lo, tile_hi
 
 
 def tile_slots(tables_ref, b, tile, first, n, *, block_k: int, block_size: int, num_blocks: int):
@@ -385,7 +127,7 @@ def attend_tiles(tables_ref, k_ref, v_ref, qs, score_scale, slopes, *, b, h, n, 
                                       block_size=block_size, num_blocks=num_blocks)
         kv_mask = valid[:, None] & word_ok[None, :]
         ks = load_tile(k_ref, slot, mask=kv_mask)  # [Tk, Dq] each
-        s = functools.reduce(jnp.add, [_dot_nt(q, k.astype(compute_dtype))
+        s = functools.reduce(jnp.add, [dot_nt(q, k.astype(compute_dtype))
                                        for q, k in zip(qs, ks)])  # f32[Gp, Tk]
         s = s * score_scale
         if soft_cap is not None:
@@ -403,7 +145,7 @@ def attend_tiles(tables_ref, k_ref, v_ref, qs, score_scale, slopes, *, b, h, n, 
         else:
             vs = (value_tile_for_dot(vs[0], compute_dtype, word_ok, at_load=fp8_v_at_load),)
         p_dot = p.astype(compute_dtype)
-        accs = tuple(acc * alpha[:, None] + _dot_nn(p_dot, v) for acc, v in zip(accs, vs))
+        accs = tuple(acc * alpha[:, None] + dot_nn(p_dot, v) for acc, v in zip(accs, vs))
         return accs, m_next, l_prev * alpha + p.sum(axis=1)
 
     carry = ((jnp.zeros((padded_group, part_dim), jnp.float32),) * len(qs),
@@ -700,50 +442,13 @@ def _persistent_decode_kernel(
     jax.lax.fori_loop(0, (batch - p + num_programs - 1) // num_programs, empty, jnp.int32(0))
 
 
-def divides(l):
-    """Where a softmax's sum of exponentials ``l`` normalizes its row: everywhere but ``l == 0``
-    (no key: the row is zeros); a NaN sum (a NaN query or key) divides, so that the NaN propagates
-    as in torch_ref. Every kernel and merge decides with this."""
-    return l != 0
-
-
-def finite_total_max(m_max, sink):
-    """The merged running max: ``m_max`` (the parts' max) with the sink's logit, 0 where neither
-    saw a finite logit, so that the weights ``exp(m - m_total)`` stay finite."""
-    m_total = m_max if sink is None else jnp.maximum(m_max, sink)
-    return jnp.where(jnp.abs(m_total) < jnp.inf, m_total, 0.0)
-
-
-def merged_max_and_sum(m, l, m_max, sink):
-    """The running max and sum of exponentials of several splits together (the merge's first
-    step, in every merge: `_merge_splits`, the merge kernel, the in-kernel merge), over axis 0 of
-    ``m`` and ``l``.
-
-    Args:
-      m, l: f32[splits, ...], each split's running max (-inf for an empty split) and sum.
-      m_max: ``jnp.max(m, axis=0)``, which the caller has.
-      sink: f32[...] (one more logit, with no value row) or None.
-
-    Returns:
-      ``(m_total, l_total, weight)``: ``m_total``, ``l_total`` f32[...]; ``weight = exp(m -
-      m_total)`` f32[splits, ...], each split's factor (0 for empty splits). ``m_total`` is 0
-      where no split and no sink saw a finite logit, so that the weights stay finite.
-    """
-    m_total = finite_total_max(m_max, sink)
-    weight = jnp.exp(m - m_total)
-    l_total = jnp.sum(weight * l, axis=0)
-    if sink is not None:
-        l_total = l_total + jnp.exp(sink - m_total)
-    return m_total, l_total, weight
-
-
 MERGE_CHUNK_ELEMENTS = 8192  # partial-result elements one step of the in-kernel merge loads
 
 
 def merge_partials_in_program(o_ref, m_ref, l_ref, sinks_ref, out_ref, lse_ref, *, b, h, present,
                               padded_dim: int, part_index, num_parts, max_parts: int,
                               parts_per_step: int | None = None):
-    """`_merge_splits` for one (sequence ``b``, kv head ``h``), inside the program that finishes
+    """`merge_splits` for one (sequence ``b``, kv head ``h``), inside the program that finishes
     it last, into ``out_ref.at[b, h]`` / ``lse_ref.at[b, h]`` (`_paged_decode_kernel`'s single
     outputs).
 
@@ -803,94 +508,6 @@ def merge_partials_in_program(o_ref, m_ref, l_ref, sinks_ref, out_ref, lse_ref, 
                 mask=row_ok[:, None] & col_ok[None, :])
     lse = jnp.where(present, m_total + jnp.log(l_total), -jnp.inf)
     plgpu.store(lse_ref.at[b, h, rows], lse, mask=row_ok)
-
-
-def _merge_splits(o, m, l, n, sinks):
-    """Combine per-split partial results (flash-decoding's final step), in fp32.
-
-    Args:
-      o: f32[batch, kvh, splits, group, head_dim], each split's unnormalized weighted sum.
-      m, l: f32[batch, kvh, splits, group], each split's running max and sum of exponentials.
-      n: i32[batch], the clamped lengths.
-      sinks: f32[kvh, group] or None.
-
-    Returns:
-      ``(out f32[batch, kvh, group, head_dim], lse f32[batch, kvh, group])``.
-    """
-    m, l = jnp.moveaxis(m, 2, 0), jnp.moveaxis(l, 2, 0)  # f32[splits, batch, kvh, group]
-    m_total, l_total, weight = merged_max_and_sum(m, l, m.max(axis=0),
-                                                  None if sinks is None else sinks[None])
-    o_total = jnp.sum(weight[..., None] * jnp.moveaxis(o, 2, 0), axis=0)
-    has_rows = (n > 0)[:, None, None]
-    has = has_rows & divides(l_total)
-    out = jnp.where(has[..., None], o_total / jnp.where(has, l_total, 1.0)[..., None], 0.0)
-    lse = jnp.where(has_rows, m_total + jnp.log(l_total), -jnp.inf)
-    return out, lse
-
-
-def _merge_splits_kernel(
-    lens_ref,   # i32[batch] (decode's clamped lengths), or None: a row is present if any split saw a key
-    o_ref,      # f32[batch, kvh, splits, group, head_dim], each split's unnormalized weighted sum
-    m_ref,      # f32[batch, kvh, splits, group], each split's running max
-    l_ref,      # f32[batch, kvh, splits, group], each split's sum of exponentials
-    sinks_ref,  # f32[kvh, group] or None
-    out_ref,    # [batch, kvh, group, head_dim] in the output dtype
-    lse_ref,    # f32[batch, kvh, group]
-    *,
-    padded_splits: int,
-    padded_dim: int,
-):
-    """`_merge_splits` for one (row, kv head, query head of its group): its ``splits`` partial
-    results, loaded at once, combined in fp32."""
-    b, h, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    num_splits, head_dim = o_ref.shape[2], o_ref.shape[4]
-    splits = jnp.arange(padded_splits)  # [Sp]
-    split_ok = splits < num_splits
-    cols = jnp.arange(padded_dim)  # [Dp]
-    col_ok = cols < head_dim
-    m = plgpu.load(m_ref.at[b, h, splits, g], mask=split_ok, other=-jnp.inf)  # f32[Sp]
-    l = plgpu.load(l_ref.at[b, h, splits, g], mask=split_ok, other=0.0)  # f32[Sp]
-    m_seen = jnp.max(m)
-    m_total, l_total, weight = merged_max_and_sum(  # f32[], f32[], f32[Sp]
-        m, l, m_seen, None if sinks_ref is None else sinks_ref[h, g])
-    # ragged rows: present if a split saw a key, or a NaN (whose max the GPU's max may skip)
-    present = ((lens_ref[b] > 0) if lens_ref is not None
-               else (m_seen > -jnp.inf) | jnp.isnan(l_total))
-    o = plgpu.load(o_ref.at[b, h, splits[:, None], g, cols[None, :]],
-                   mask=split_ok[:, None] & col_ok[None, :], other=0.0)  # f32[Sp, Dp]
-    o_total = jnp.sum(weight[:, None] * o, axis=0)  # f32[Dp]
-    ok = present & divides(l_total)
-    out = jnp.where(ok, o_total / jnp.where(ok, l_total, 1.0), 0.0)
-    plgpu.store(out_ref.at[b, h, g, cols], out.astype(out_ref.dtype), mask=col_ok)
-    lse_ref[b, h, g] = jnp.where(present, m_total + jnp.log(l_total), -jnp.inf)
-
-
-def merge_splits_pallas(o, m, l, lens, sinks, *, out_dtype, interpret: bool):
-    """`_merge_splits` as one Pallas kernel (one launch, where XLA's reductions take several), one
-    program per (row, kv head, query head).
-
-    Args:
-      o: f32[rows, kvh, splits, group, head_dim]; m, l: f32[rows, kvh, splits, group].
-      lens: i32[rows], decode's clamped lengths (a row with ``n == 0`` gives zeros and ``lse =
-        -inf``), or None (ragged rows: a row that no split saw a key for gives those).
-      sinks: f32[kvh, group] or None.
-      out_dtype: the dtype of ``out``.
-
-    Returns:
-      ``(out [rows, kvh, group, head_dim] in out_dtype, lse f32[rows, kvh, group])``.
-    """
-    rows, kvh, splits, group, head_dim = o.shape
-    kernel = functools.partial(_merge_splits_kernel, padded_splits=max(16, next_power_of_2(splits)),
-                               padded_dim=max(16, next_power_of_2(head_dim)))
-    return pl.pallas_call(
-        kernel,
-        grid=(rows, kvh, group),
-        out_shape=(jax.ShapeDtypeStruct((rows, kvh, group, head_dim), out_dtype),
-                   jax.ShapeDtypeStruct((rows, kvh, group), jnp.float32)),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name=f"pallas_paged_merge_s{splits}_g{group}_d{head_dim}",
-    )(lens, o, m, l, sinks)
 
 
 def kernel_statics(q, k_cache, config: DecodeConfig) -> dict:
@@ -965,7 +582,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
       with one split, or several and ``config.merge_in_kernel``, ``(out [batch, kvh, group,
       head_dim] in q.dtype, lse f32[batch, kvh, group])``; with several otherwise, the partial
       ``(o f32[batch, kvh, splits, group, head_dim], m, l f32[batch, kvh, splits, group])`` that
-      `_merge_splits` combines.
+      `merge_splits` combines.
     """
     batch = q.shape[0]
     kvh = k_cache.shape[2]

@@ -1,8 +1,9 @@
-"""Ragged paged attention, the public function: validate, pick the implementation, call it.
+"""Ragged paged attention, the public function: validate, pick the kernel and config, call it.
 
 Implementations: ``impl="pallas"`` (``pallas_triton.py``, a Pallas kernel lowered through Triton on
-GPU, interpret mode elsewhere) and ``impl="xla"`` (``xla.py``, plain jnp). `torch_ref` defines the
-semantics (SPEC.md, "Ragged paged attention").
+GPU, interpret mode elsewhere) and ``impl="xla"`` (``xla.py``, plain jnp). `select_kernel` makes
+every choice of a call, once. `torch_ref` defines the semantics (SPEC.md, "Ragged paged
+attention").
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import jax.numpy as jnp
 from pallas_paged import _validation
 from pallas_paged._platform import (device_kind, resolve_interpret, sm_count,
                                     without_triton_deprecation)
-from pallas_paged.cache_write.fp8 import scale_operand
-from pallas_paged.ragged_attention import configs
-from pallas_paged.ragged_attention.configs import AttentionConfig, AttentionShape
+from pallas_paged._fp8 import scale_operand
+from pallas_paged.ragged_attention import pallas_triton_config
 from pallas_paged.ragged_attention.pallas_triton import paged_attention_pallas
+from pallas_paged.ragged_attention.pallas_triton_config import AttentionConfig
+from pallas_paged.ragged_attention.shape import AttentionShape
 from pallas_paged.ragged_attention.xla import paged_attention_xla
 
 ATTENTION_IMPLS = ("pallas", "xla")
@@ -33,6 +35,21 @@ def attention_shape(q, k_cache, block_tables) -> AttentionShape:
                           group=num_heads // kvh, head_dim=head_dim, block_size=block_size,
                           capacity=block_tables.shape[1] * block_size,
                           cache_dtype=jnp.dtype(k_cache.dtype).name)
+
+
+def select_kernel(q, k_cache, block_tables, *, impl: str, config):
+    """What a `paged_attention` call runs: ``(impl, config)``, ``config`` the kernel's (the given
+    one, else the tuned table's entry for the call's shape class on this device kind, else the
+    heuristic's: `pallas_triton_config.lookup`), None for ``"xla"``.
+
+    Raises:
+      ValueError: a ``config`` of the wrong type for ``impl``.
+    """
+    if impl == "xla":
+        return "xla", None
+    _validation.check_config_type(config, AttentionConfig, impl)
+    shape = attention_shape(q, k_cache, block_tables)
+    return "pallas", config or pallas_triton_config.lookup(shape, device_kind(), sm_count())
 
 
 @without_triton_deprecation
@@ -55,6 +72,7 @@ def paged_attention(
     impl: str = "pallas",
     interpret: bool | None = None,
     config: AttentionConfig | None = None,
+    check_values: bool = True,
 ):
     """Ragged paged attention: each sequence's new tokens, causally, over its paged K/V.
 
@@ -103,37 +121,44 @@ def paged_attention(
       interpret: Pallas interpret mode; None means exactly when there is no GPU backend.
       config: kernel knobs (`AttentionConfig`); None takes the tuned table's entry for this shape
         class, or the heuristic.
+      check_values: when the arrays are concrete (an eager call, not under ``jax.jit``), check
+        their values as torch_ref does (`validate_attention_inputs`), which fetches them to the
+        host. False skips that for a hot eager loop; traced calls never check values.
 
     Returns:
       ``out [num_tokens, num_heads, head_dim]`` in ``q.dtype``, or ``(out, lse)`` with
       ``return_lse``.
 
     Raises:
-      ValueError: at trace time, for wrong ranks, shapes or dtypes (``query_start_loc`` must be
-        ``[batch + 1]``), ``num_heads % num_kv_heads``, bad options or an unknown ``impl``. Values
-        are not checked (they cannot raise under jit): see `validate_attention_inputs`, which
-        refuses a ``query_start_loc`` not starting at 0, decreasing or past ``num_tokens`` and
-        ``q_len_b > context_lens[b]``. Under jit, ``query_start_loc`` is clamped into
+      ValueError: before anything runs (under jit: at trace time), for wrong ranks, shapes or
+        dtypes (``query_start_loc`` must be ``[batch + 1]``), ``num_heads % num_kv_heads``, bad
+        options or an unknown ``impl``; in an eager call with ``check_values``, for bad values:
+        everything `pallas_paged.decode` refuses, ``query_start_loc[0] != 0``, a decreasing
+        ``query_start_loc``, ``query_start_loc[batch] > num_tokens``, ``q_len_b >
+        context_lens[b]``. Under jit, values cannot raise: ``query_start_loc`` is clamped into
         ``[0, num_tokens]``, made non-decreasing (a running maximum) and its first entry taken as
         0, so every row has one owner; a query at a position below 0 (``q_len_b >
         context_lens[b]``) sees nothing and gives zeros (lse ``-inf``); lengths and block ids as
-        in `pallas_paged.decode`.
+        in `pallas_paged.decode` (docs/RELIABILITY.md).
     """
     options = dict(scale=scale, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
                    sliding_window=sliding_window, sinks=sinks)
     _validation.static_validate_attention(q, k_cache, v_cache, block_tables, context_lens,
                                           query_start_loc, k_scale=k_scale, v_scale=v_scale,
                                           **options)
-    _validation.static_validate_call(k_cache, impl=impl, impls=ATTENTION_IMPLS, return_lse=return_lse,
-                                     interpret=interpret, config=config, config_type=AttentionConfig)
+    _validation.static_validate_call(k_cache, impl=impl, impls=ATTENTION_IMPLS,
+                                     return_lse=return_lse, interpret=interpret,
+                                     check_values=check_values)
+    if check_values and _validation.is_concrete(block_tables, context_lens, query_start_loc,
+                                                k_scale, v_scale):
+        _validation.check_attention_values(q, k_cache, block_tables, context_lens,
+                                           query_start_loc, k_scale, v_scale)
+    impl, config = select_kernel(q, k_cache, block_tables, impl=impl, config=config)
     num_tokens = q.shape[0]
     num_blocks, block_size = k_cache.shape[:2]
     capacity = block_tables.shape[1] * block_size
     if sliding_window is not None and sliding_window >= capacity:
         sliding_window = None  # every position j <= p < capacity has j > p - W: no window
-    if impl == "pallas" and config is None and num_tokens > 0 and capacity > 0:
-        config = configs.lookup(attention_shape(q, k_cache, block_tables), device_kind(),
-                                sm_count())
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     out, lse = _paged_attention_jit(
         q, k_cache, v_cache, _validation.host_clamp_index(block_tables, 0, num_blocks - 1),

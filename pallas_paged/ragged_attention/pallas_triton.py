@@ -47,14 +47,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_paged._attention_common import divides, split_share
+from pallas_paged._fp8 import kernel_scale_operands
 from pallas_paged._platform import next_power_of_2
-from pallas_paged.cache_write.fp8 import kernel_scale_operands
-from pallas_paged.decode_attention.pallas_triton import (_dot_nn, _dot_nt, column_parts,
-                                                         divides, dot_dtype, load_kv_parts,
-                                                         merge_splits_pallas, query_for_dots,
-                                                         slot_major, softmax_exp,
-                                                         split_share, uses_fp8_pairs, with_sink)
-from pallas_paged.ragged_attention.configs import AttentionConfig, tile_dot_rows
+from pallas_paged._triton_common import (column_parts, dot_dtype, dot_nn, dot_nt, load_kv_parts,
+                                         merge_splits_pallas, query_for_dots, slot_major,
+                                         softmax_exp, uses_fp8_pairs, with_sink)
+from pallas_paged.ragged_attention.pallas_triton_config import AttentionConfig, tile_dot_rows
 
 
 def find_query_tile(program, qsl_ref, *, batch: int, num_tokens: int, block_q: int):
@@ -248,7 +247,7 @@ def _ragged_attention_kernel(
             block = jnp.clip(block, 0, num_blocks - 1)  # a garbage id can never leave the cache
             slot = block * block_size + pos % block_size  # i32[Tk]
             ks = load_tile(k_ref, slot, mask=kv_mask)  # [Tk, Dq] each
-            s = functools.reduce(jnp.add, [_dot_nt(q, k.astype(compute_dtype))
+            s = functools.reduce(jnp.add, [dot_nt(q, k.astype(compute_dtype))
                                            for q, k in zip(qs, ks)]) * score_scale  # f32[M, Tk]
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
@@ -272,7 +271,7 @@ def _ragged_attention_kernel(
                 vs = tuple(jnp.where(shared[:, None] | (jnp.abs(v.astype(jnp.float32)) < jnp.inf),
                                      v, jnp.zeros_like(v)) for v in vs)
             p_dot = p.astype(compute_dtype)
-            accs = tuple(acc * alpha[:, None] + _dot_nn(p_dot, v) for acc, v in zip(accs, vs))
+            accs = tuple(acc * alpha[:, None] + dot_nn(p_dot, v) for acc, v in zip(accs, vs))
             return accs, m_next, l_prev * alpha + p.sum(axis=1)
 
         carry = ((jnp.zeros((dot_rows, padded_dim // parts), jnp.float32),) * parts,

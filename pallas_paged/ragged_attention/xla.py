@@ -19,9 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_paged.decode_attention.xla import gather_sequences, softmax_attention
-
-HIGHEST = jax.lax.Precision.HIGHEST
+from pallas_paged._xla_common import HIGHEST, gather_sequences, softmax_attention
 
 
 def token_positions(query_start_loc, context_lens, num_tokens: int, capacity: int):

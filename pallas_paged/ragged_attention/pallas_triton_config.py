@@ -1,12 +1,8 @@
-"""Knobs of the Pallas ragged-attention kernel: a frozen, hashable config, the heuristic that picks
-one, and the table of configs tuned on real devices.
+"""The Pallas Triton ragged-attention kernel's knobs: a frozen, hashable config, the heuristic that
+picks one for any shape, and the table of configs tuned on real devices (`lookup`).
 
-The static facts of a call are its token count, batch, GQA group, head_dim, block size, table
-capacity and cache dtype; the per-sequence query lengths are values, unknown at trace time, so
-the heuristic reads the average ``num_tokens / batch``. A shape class rounds these facts up to
-powers of two. The table is keyed by the device kind JAX reports (``"NVIDIA H200"``); entries are
-measured with ``python -m benchmarks.bench_ragged``. It starts empty: on any device, and for any
-shape class not in it, `lookup` returns the heuristic config.
+The per-sequence query lengths are values, unknown at trace time, so the heuristic reads the
+average ``num_tokens / batch``. The evidence behind the rules is in docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -17,13 +13,13 @@ import math
 import jax.numpy as jnp
 
 from pallas_paged._platform import next_power_of_2
-from pallas_paged.decode_attention.configs import K_TILE_BYTES
+from pallas_paged._triton_common import K_TILE_BYTES, MIN_DOT_ROWS
+from pallas_paged.ragged_attention.shape import AttentionShape, shape_class
 
-MIN_DOT_ROWS = 16  # the smallest M of a Triton dot
 MAX_DOT_ROWS = 64  # query tokens x GQA group per program at most (the heuristic's choice)
 # Short tiles (`AttentionConfig.short_block_q`) where the average query length is below this: a
-# batch with many sequences per token is a mixed one (1.06x on the H200's mixed batch), while on
-# long prompts alone the second tile space costs 2-3% (docs/BENCHMARKS.md).
+# batch with many sequences per token is a mixed one, while long prompts alone pay for the second
+# tile space.
 SHORT_TILES_BELOW_AVG_Q = 128
 
 
@@ -107,24 +103,10 @@ def tile_dot_rows(tile_q: int, group: int) -> int:
     return max(MIN_DOT_ROWS, next_power_of_2(tile_q * group))
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionShape:
-    """The static facts a config depends on (all known at trace time)."""
-
-    num_tokens: int
-    batch: int
-    num_kv_heads: int
-    group: int          # query heads per kv head
-    head_dim: int
-    block_size: int
-    capacity: int       # max_blocks * block_size
-    cache_dtype: str    # e.g. "bfloat16"
-
-
-def _num_splits(shape: AttentionShape, block_q: int, block_k: int, sm_count: int) -> int:
-    """About four programs per multiprocessor, as decode's heuristic (measured there: 512-1024
-    programs on the 132-SM H200), without splits shorter than 4 tiles. The active query tiles
-    are about ``ceil(num_tokens / block_q)``."""
+def heuristic_splits(shape: AttentionShape, block_q: int, block_k: int, sm_count: int) -> int:
+    """KV splits for about four programs per multiprocessor, as decode's heuristic, without
+    splits shorter than 4 tiles; the active query tiles are about ``ceil(num_tokens /
+    block_q)``."""
     programs = max(-(-shape.num_tokens // block_q) * shape.num_kv_heads, 1)
     wanted = (4 * sm_count) / programs
     splits = 1 << max(0, round(math.log2(wanted))) if wanted > 1 else 1
@@ -136,14 +118,9 @@ def get_heuristic_config(shape: AttentionShape, sm_count: int) -> AttentionConfi
     """A reasonable config for any shape: the fallback of the tuned table.
 
     ``block_q`` covers the average query length (1 for decode, 4 for 4-token speculation), up to
-    `MAX_DOT_ROWS` dot rows for prefill and mixed batches, with 4 warps and 3 pipeline stages (on
-    the H200 these beat 128 rows / 8 warps / 2 stages by 1.07x on a 4 x 2048 prefill, 1.18x on a
-    mixed batch and 1.19x on a 2048-token chunk over 32K: docs/BENCHMARKS.md); K/V tiles of 64
-    tokens (32 for head_dim > 128), or, when the dots have the minimum 16 rows, tiles of
-    `K_TILE_BYTES` (16 KiB) of K at every width (decode's heuristic takes 32 KiB for 16-bit rows
-    past 128 columns; this kernel at head_dim 256, B=32, ctx=4096 ran faster with 16 KiB: 366.0
-    us against 371.4-378.3 with 64-token tiles on an H100, docs/BENCHMARKS.md, "The heuristic at
-    head_dim 256").
+    `MAX_DOT_ROWS` dot rows for prefill and mixed batches, with 4 warps (8 past head_dim 128) and
+    3 pipeline stages; K/V tiles of 64 tokens (32 past head_dim 128), or, when the dots have the
+    minimum 16 rows (decode-like, memory-bound), tiles of `K_TILE_BYTES` of K at every width.
     Where ``block_q`` tiles have more than the minimum rows and the average query length is
     below `SHORT_TILES_BELOW_AVG_Q` (a mixed batch), sequences short enough to fill a minimum
     16-row tile take short tiles (``short_block_q``): a decode row then pads a 16-row dot, not a
@@ -166,27 +143,21 @@ def get_heuristic_config(shape: AttentionShape, sm_count: int) -> AttentionConfi
         short_block_q=(short_block_q if short_block_q < block_q
                        and avg_q < SHORT_TILES_BELOW_AVG_Q else 0),
         block_k=block_k,
-        num_splits=_num_splits(shape, block_q, block_k, sm_count),
+        num_splits=heuristic_splits(shape, block_q, block_k, sm_count),
         num_warps=8 if padded_dim > 128 else 4,
         num_stages=2 if rows <= MIN_DOT_ROWS else 3,
     )
 
 
-# device kind -> shape class -> config, measured with `python -m benchmarks.bench_ragged`.
-# Measured on an NVIDIA H200 (132 SMs), 2026-12-01 (docs/BENCHMARKS.md); only classes where the
-# best candidate beat the heuristic are listed.
-TUNED: dict[str, dict[tuple, AttentionConfig]] = {"NVIDIA H200": {
-    # spec_b32_q4_ctx4096: 145.7 us vs 179.0 us for bq4 bk64 s2 (1.23x)
-    ("bfloat16", 128, 4, 16, 32, 128, 4096): AttentionConfig(block_q=4, block_k=128, num_splits=1,
-                                                              num_warps=4, num_stages=2),
-}}
-
-
-def shape_class(shape: AttentionShape) -> tuple:
-    """The key a shape is looked up under: its static facts rounded up to powers of two."""
-    return (shape.cache_dtype, next_power_of_2(shape.head_dim), next_power_of_2(shape.group),
-            shape.block_size, next_power_of_2(shape.batch), next_power_of_2(shape.num_tokens),
-            next_power_of_2(shape.capacity))
+# device kind -> shape class (`shape_class`: cache dtype, head_dim, group, block_size, batch,
+# num_tokens, capacity, each but the dtype and block_size rounded up to a power of two) -> config;
+# only classes where a measured config beat the heuristic (`python -m benchmarks.tune ragged`).
+TUNED: dict[str, dict[tuple, AttentionConfig]] = {
+    "NVIDIA H200": {
+        ("bfloat16", 128, 4, 16, 32, 128, 4096): AttentionConfig(
+            block_q=4, block_k=128, num_splits=1, num_warps=4, num_stages=2),
+    },
+}
 
 
 def lookup(shape: AttentionShape, device_kind: str, sm_count: int) -> AttentionConfig:

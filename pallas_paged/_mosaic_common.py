@@ -1,0 +1,120 @@
+"""What Mosaic GPU kernels share: the jax version and device they need, the interpret-mode
+caveat, and sm_90's shared-memory budget and arithmetic.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from pallas_paged._platform import has_gpu, xla_cpu_threads
+
+MIN_JAX = (0, 11, 2)  # plgpu.kernel with out_type / scratch_types and warpgroup semantics
+MAX_SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on sm_90
+SMEM_PER_SM = 228 * 1024  # shared memory of an sm_90 multiprocessor
+SMEM_RESERVED_PER_CTA = 1024  # of it, what the driver reserves for each resident CTA
+
+
+# Pallas places each scoped shared-memory allocation at a multiple of this many bytes (its
+# SMEM_ALIGNMENT), so an allocation takes its size rounded up to it (`allocated`).
+SMEM_ALIGNMENT = 1024
+
+
+def allocated(*nbytes: int) -> int:
+    """The shared memory scoped allocations of ``nbytes`` bytes each take (`SMEM_ALIGNMENT`)."""
+    return sum(-(-int(n) // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for n in nbytes)
+
+
+def ctas_per_sm(smem: int) -> int:
+    """CTAs of ``smem`` bytes of shared memory one sm_90 multiprocessor holds at once."""
+    return max(1, SMEM_PER_SM // (smem + SMEM_RESERVED_PER_CTA))
+
+
+def jax_version() -> tuple[int, ...]:
+    """``jax.__version__`` as a tuple of ints (``"0.11.2"`` -> ``(0, 11, 2)``)."""
+    parts = []
+    for piece in jax.__version__.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def check_jax() -> None:
+    """ValueError unless this jax has the ``plgpu.kernel`` API the kernel is written for."""
+    if jax_version() < MIN_JAX:
+        raise ValueError(
+            f"impl='mosaic' needs jax >= {'.'.join(map(str, MIN_JAX))} (plgpu.kernel), found"
+            f" jax {jax.__version__}: use impl='pallas' or impl='xla'")
+
+
+def import_plgpu():
+    """``jax.experimental.pallas.mosaic_gpu``, or ValueError where its API is not the one used."""
+    check_jax()
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu
+
+
+def check_device(interpret: bool) -> None:
+    """ValueError unless the kernel can run here: interpret mode anywhere, compiled on sm_90+."""
+    if interpret:
+        return
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        raise ValueError(
+            f"impl='mosaic' compiled (interpret=False) needs an NVIDIA GPU, found"
+            f" {device.platform!r} ({device.device_kind}): pass interpret=True or use impl='xla'")
+    capability = getattr(device, "compute_capability", None)
+    if capability is None:
+        raise ValueError(f"impl='mosaic' needs an NVIDIA GPU of compute capability >= 9.0, found"
+                         f" {device.device_kind!r}: use impl='pallas'")
+    major = int(str(capability).split(".")[0])
+    if major < 9:
+        raise ValueError(
+            f"impl='mosaic' needs compute capability >= 9.0 (Hopper: TMA, wgmma), found"
+            f" {device.device_kind!r} with compute capability {capability}: use impl='pallas'")
+
+
+def warn_if_interpret_may_stall(interpret: bool, warpgroups: int, *, fewer: str) -> None:
+    """A ``RuntimeWarning`` where interpret mode can wait forever.
+
+    Mosaic GPU's interpret mode runs each warpgroup of a CTA as a JAX computation of its own,
+    whose barrier waits block inside host callbacks that XLA runs on its CPU thread pools: with
+    more ``warpgroups`` than pool threads (`xla_cpu_threads`), the waiting ones can hold every
+    thread while the one they wait for queues behind them. Where JAX's default backend is a GPU,
+    those callbacks are slower still (a call of two sequences did not finish in 100 s, against
+    3 s on a CPU), so interpret mode belongs on the CPU. ``fewer`` names the config field that
+    takes fewer warpgroups.
+    """
+    if not interpret:
+        return
+    if has_gpu():
+        warnings.warn(
+            "impl='mosaic' in interpret mode with a GPU as JAX's default backend: its warpgroups"
+            " wait on each other inside host callbacks, which there are too slow to finish"
+            " (a call of two sequences took over 100 s, 3 s on a CPU); run interpret mode on the"
+            " CPU (JAX_PLATFORMS=cpu), or compiled on the GPU (interpret=False)",
+            RuntimeWarning, stacklevel=3)
+    threads = xla_cpu_threads()
+    if warpgroups > threads:
+        warnings.warn(
+            f"impl='mosaic' in interpret mode: the kernel's {warpgroups} warpgroups wait on each"
+            f" other inside host callbacks that XLA's CPU thread pools run, and those pools have"
+            f" {threads} threads here, so the call can wait forever; set NPROC={max(8, warpgroups)}"
+            f" in the environment before JAX starts, or use fewer {fewer}",
+            RuntimeWarning, stacklevel=3)
+
+
+def mma_swizzle(row_bytes: int) -> int:
+    """The widest swizzle (32, 64 or 128 bytes) rows of ``row_bytes`` allow."""
+    return 128 if row_bytes % 128 == 0 else 64 if row_bytes % 64 == 0 else 32
+
+
+def mma_smem(plgpu, shape, dtype, swizzle: int | None = None):
+    """Shared memory for a wgmma operand (or a TMA destination read as one): 8-row tiles of
+    ``swizzle`` bytes, by default the widest swizzle the rows allow (`mma_swizzle`)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = swizzle or mma_swizzle(shape[-1] * itemsize)
+    return plgpu.SMEM(shape, dtype, transforms=(
+        plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))

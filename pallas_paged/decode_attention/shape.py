@@ -1,0 +1,31 @@
+"""The static facts of a decode call that its kernel and config depend on, and the key they are
+looked up under in the tuned tables (`pallas_triton_config`, `mosaic_gpu_config`, the kernel
+choice in `api`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_paged._platform import next_power_of_2
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    """The static facts a config depends on (all known at trace time)."""
+
+    batch: int
+    num_kv_heads: int
+    group: int          # query heads per kv head
+    head_dim: int
+    block_size: int
+    capacity: int       # max_blocks * block_size: the longest context the tables can hold
+    cache_dtype: str    # e.g. "bfloat16"
+
+
+def shape_class(shape: DecodeShape) -> tuple:
+    """The key a shape is looked up under: ``(cache dtype, head_dim, group, block_size, batch,
+    capacity)``, all but the dtype and block_size rounded up to powers of two, so that one
+    measured entry covers its neighbours."""
+    return (shape.cache_dtype, next_power_of_2(shape.head_dim), next_power_of_2(shape.group),
+            shape.block_size, next_power_of_2(shape.batch), next_power_of_2(shape.capacity))
