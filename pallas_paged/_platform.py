@@ -11,7 +11,7 @@ import warnings
 import jax
 import numpy as np
 
-# Streaming multiprocessors of an H100 / H200, used when the device does not report its count.
+# Streaming multiprocessors of an sm_90 GPU, used when the device does not report its count.
 DEFAULT_SM_COUNT = 132
 
 

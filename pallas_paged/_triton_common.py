@@ -185,8 +185,8 @@ def kv_ring_depth(num_stages: int) -> int:
     stages, so 2, 3 and 4
     all keep **one** K/V tile in flight per program (issued after the tile before was consumed,
     so a program's copies do not overlap its own dots), 5 and 6 two, 7 and 8 three. 1: no
-    pipelining (0). Checked against the compiled kernel on the CPU by
-    ``python -m benchmarks.triton_sass`` (which reads the depth from the Triton GPU IR).
+    pipelining (0). ``python -m benchmarks.profiling.triton_sass`` reads the depth of a compiled
+    kernel from its Triton GPU IR, on the CPU.
     """
     if num_stages < 2:
         return 0

@@ -135,10 +135,7 @@ def write_pallas(k_flat, v_flat, k_rows, v_rows, slots, *, k_scale=None, v_scale
     ``k_scale`` and ``v_scale`` (``f32[]`` each; required for, and only for, float8_e4m3fn
     caches; two ``f32[1]`` operands of the kernel, `kernel_scale_operands`) the rows, of any
     float dtype, are quantized inside the kernel; otherwise they are in the cache dtype and
-    copied as they are.
-
-    The defaults were the fastest of 8 variants for a 16K-token bf16 write on the H200
-    (benchmarks/sweep_decode.py --write-only, docs/BENCHMARKS.md).
+    copied as they are. The defaults were the fastest measured (docs/design/write.md).
     """
     num_tokens, row = k_rows.shape
     row_chunk = min(next_power_of_2(row), 1024)

@@ -115,13 +115,13 @@ REGISTERS_PER_SM = 64 * 1024
 # the warps of a warpgroup (its CompilerParams.reduction_scratch_bytes, passed explicitly). Every
 # warpgroup's reductions at one point of the program use the same bytes, so the consumers after
 # the first lower theirs past pads of this size (`lower_apart`): concurrent reductions of two
-# warpgroups in one scratch race (`benchmarks/mosaic_reduce_race.py`).
+# warpgroups in one scratch race.
 REDUCTION_SCRATCH_BYTES = 2048
-# Shared memory Mosaic GPU's kernel takes beyond the scratch below (measured on the H200, jax
-# 0.11.2: a CTA of 230504 scratch bytes was 232552 bytes).
+# Shared memory Mosaic GPU's kernel takes beyond the scratch below (a CTA of 230504 scratch bytes
+# takes 232552 bytes, jax 0.11.2).
 MOSAIC_OWN_SMEM_BYTES = 2048
 # Mosaic GPU's compiler parameters for the kernel: exact math (exp, division), as the parity
-# bounds were met with; `benchmarks.bench_mosaic --compiler-param` times others beside these.
+# bounds were met with.
 COMPILER_PARAMS = {"approx_math": False, "reduction_scratch_bytes": REDUCTION_SCRATCH_BYTES}
 
 
@@ -181,19 +181,13 @@ def finalizes(config: MosaicDecodeConfig, *, batch: int, kvh: int, group: int, h
     - each (sequence, kv head) has one part (one split, one consumer): nothing to merge;
     - its ``group`` lse values are a multiple of 16 bytes (TMA copies them; a group of 1 or 2,
       as MHA's, is merged after the kernel);
-    - the output's shared memory (`final_smem_bytes`) costs no wave: on an H200 (2026-12-03) the
-      launch saved bought 1.7% at bf16 B=32 (and 1.5% at fp8 B=32, not found again: see the
-      last point), while at B=128 and B=256 it took the CTAs from two per multiprocessor to one
-      and cost 2.6% and 4.7% (docs/BENCHMARKS.md). A persistent grid
+    - the output's shared memory (`final_smem_bytes`) costs no wave: the saved launch is
+      worth less than halving the CTAs per multiprocessor. A persistent grid
       (`MosaicDecodeConfig.persistent`) has one wave by construction: its CTAs normalize
       wherever the staging fits, since the producer streams the next item's tiles meanwhile;
-    - the cache is 16-bit: with an fp8 cache the kernel that normalizes measured 1.37x slower
-      than the one whose single part XLA normalizes (H200, 2026-12-04, fp8 B=32/ctx 4096, two
-      alternations of `benchmarks.mosaic_against`: 131.2 against 95.6 us; docs/BENCHMARKS.md,
-      "fp8: the output normalized by XLA again"). Registers, which this model does not see:
-      Nsight Compute (2026-12-05) counts 154 per thread for that kernel against 91 without the
-      normalization, one CTA per multiprocessor instead of two, so its 256 CTAs run in two
-      waves (86.6 against 119.9 us for the kernel alone).
+    - the cache is 16-bit: with an fp8 cache the normalizing kernel needs more registers than
+      this shared-memory model sees (one CTA per multiprocessor instead of two), and XLA
+      normalizing its single part is faster (docs/design/decode_mosaic.md).
     """
     if config.num_splits * config.num_consumers != 1 or (group * 4) % 16:
         return False
@@ -220,8 +214,7 @@ def reads_rows_of_8(config: MosaicDecodeConfig, *, num_heads: int, group: int,
     would not), with the queries in N and 8 of them per kv head, a group below 8 that divides it,
     ``num_heads`` a multiple of 8 (no box past the end), and no conversion of the query: fp8
     caches read with a bf16 query divide it by a power of two in XLA first. (Divided per query
-    column inside the kernel instead, fp8 B=32 took 123.0 us against 92.9 us on an H200,
-    2026-12-03: a cost on every tile, docs/BENCHMARKS.md.)"""
+    column inside the kernel instead, the division costs every tile.)"""
     return (normalized_in_mosaic and config.queries_in_n and group < MMA_COLUMNS
             and MMA_COLUMNS % group == 0 and num_heads % MMA_COLUMNS == 0 and not converts_query)
 
@@ -296,12 +289,9 @@ def merges_in_mosaic(config: MosaicDecodeConfig, *, group: int, head_dim: int, o
     query unpadded before it: `reads_rows_of_8`) instead of XLA's `merge_splits` (a transpose
     and reductions): where each (sequence, kv head) has several parts, with the queries in N
     (the parts are ``O^T``), and the group's lse values a multiple of 16 bytes (TMA copies them;
-    MHA's group of 1 is merged by XLA).
-
-    Measured on an H200 (2026-12-03, docs/BENCHMARKS.md): B=1/ctx 32768 (16 parts) 52.52 ->
-    51.51 us, fp8 B=8/ctx 16384 (4 parts) 95.54 -> 95.12 us; but B=128/ctx 1024 with one part
-    that the kernel does not normalize itself (`finalizes`) 147.37 -> 149.75 us (1024 CTAs of
-    the merge, each turning one O^T into rows), so one part stays with XLA."""
+    MHA's group of 1 is merged by XLA). One part that the kernel does not normalize itself
+    (`finalizes`) stays with XLA: a merge CTA per (sequence, kv head) that only turns one O^T
+    into rows costs more than it saves."""
     parts = config.num_splits * config.num_consumers
     q_rows = query_rows(group, config)
     return (not finalize and parts > 1 and config.queries_in_n and (group * 4) % 16 == 0
@@ -405,10 +395,8 @@ def _merge_parts_kernel(
 def launches_early(interpret: bool) -> bool:
     """Whether the Mosaic merge kernel is a programmatic dependent launch of the decode kernel
     before it (PTX ``griddepcontrol``, sm_90): its CTAs start while the decode kernel's last
-    CTAs run and wait for that grid's end, so that its launch latency is off the call's path
-    (H200, 2026-12-05: B=1/ctx 32768 0.6 us faster of 42.7, in two alternations of `bench`;
-    docs/BENCHMARKS.md). Compiled only: interpret mode has no rule for ``griddepcontrol`` (jax
-    0.12.0.1)."""
+    CTAs run and wait for that grid's end, so that its launch latency is off the call's path.
+    Compiled only: interpret mode has no rule for ``griddepcontrol``."""
     return not interpret
 
 
@@ -1272,8 +1260,7 @@ def final_smem_bytes(q_rows: int, head_dim: int, out_dtype, queries_in_n: bool) 
 def fp8_tile_in_registers(plgpu, ref, dtype):
     """The fp8 ``[rows, D]`` tile ``ref`` (shared memory) in registers, converted to ``dtype``
     (`_from_fp8`), in wgmma's register layout (its A operand): loaded in the layout whose upcast
-    is one warp shuffle away from it. (The producer's V conversion loaded this way, then stored
-    to shared memory, measured 2-5% slower than in the default layout on the H200, 2026-12-02.)"""
+    is one warp shuffle away from it."""
     x8 = plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
     return plgpu.layout_cast(_from_fp8(x8, dtype), plgpu.Layout.WGMMA)
 

@@ -267,9 +267,8 @@ def _paged_decode_kernel(
 
 
 # Parts one step of a persistent program's merge loads: a sequence cut by share boundaries has
-# two parts unless the shares are shorter than it (B=32/ctx 4096 over 33 programs per kv head:
-# two); a chunk of 16 parts of D=128 took 174 registers per thread where 2 take ... (`python -m
-# benchmarks.triton_sass --shape b32_ctx4096 --config bk64/s1/w8/st5/p33`).
+# two parts unless the shares are shorter than it; a chunk of more parts would hold their rows
+# in registers the whole kernel pays for.
 PERSISTENT_MERGE_PARTS_PER_STEP = 2
 
 
