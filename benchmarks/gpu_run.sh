@@ -3,24 +3,22 @@
 #   1. env:    nvidia-smi and the versions of python, jax, jaxlib, torch, triton
 #   2. tests:  every test in tests/ with the compiled kernels, `gpu`-marked ones included
 #   3. parity: python -m parity --device cuda --full --impl xla --impl pallas --impl mosaic
-#   4. bench:  python -m benchmarks.bench (every shape, tuned table), JSON and plot
-#   5. ragged: python -m benchmarks.bench_ragged (the ragged shapes against matmul peak and copy)
-#   6. mosaic: python -m benchmarks.bench_mosaic (impl="mosaic" beside impl="pallas")
-#   7. anatomy: python -m benchmarks.decode_anatomy (where decode's time goes, in pieces)
-#   8. e2e:    python -m examples.generate --bench (tokens/s: pallas, xla, transformers)
+#   4. decode: python -m benchmarks.decode (every decode shape, every implementation)
+#   5. ragged: python -m benchmarks.ragged (the ragged shapes against the matmul rate and the copy)
+#   6. write:  python -m benchmarks.write (the cache write, bf16 and fp8, checked against torch)
+#   7. e2e:    python -m examples.generate --bench (tokens/s: pallas, xla, transformers)
 # Each step's log goes to <dir>/<step>.txt; <dir> is the first argument, else $OUT, else
 # ./gpu-run-<UTC time>. The exit status is 1 when any step failed (a WRONG benchmark row counts).
 #
 #   bash benchmarks/gpu_run.sh [DIR]
 #   STEPS="tests parity" bash benchmarks/gpu_run.sh    # a subset; timeouts: TESTS_TIMEOUT etc.
-#   TESTS="tests/test_ragged.py" PARITY_ARGS="-k ragged" BENCH_ARGS="--shapes b1_ctx32768" ...
+#   TESTS="tests/test_ragged.py" PARITY_ARGS="-k ragged" DECODE_ARGS="--shapes b1_ctx32768" ...
 #   TEST_SHARDS=4 PARITY_SHARDS=6 ...  # tests and parity in that many processes at once (test
 #                                      # files dealt round-robin; parity --shard i/N): the
 #                                      # machine's cores compile in parallel; logs <step>-<i>.txt
 #   ARCHIVE=logs.tar.gz ...            # at the end, pack every file of <dir> into that one file
-# On one H200 (2026-12-01) the GPU tests took 80-480 s per shard with TEST_SHARDS=6 (the longest:
-# test_examples, test_mutations, test_torch_ref), and the full parity suite 35-185 s per shard
-# with PARITY_SHARDS=10-12: run the two steps in separate calls when a call is limited to 10 min.
+# The GPU tests and the full parity suite take minutes per shard: run the two steps in separate
+# calls where a call is limited in time.
 set -u
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-run-$(date -u +%Y%m%dT%H%M%SZ)}}"
@@ -28,7 +26,7 @@ mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-env tests parity bench ragged mosaic anatomy e2e}"
+STEPS="${STEPS:-env tests parity decode ragged write e2e}"
 TESTS="${TESTS:-tests}"
 # The full suite for all three implementations (mosaic on the cases its kernel takes; the
 # others still run every case). Set but empty: the default suite, xla and pallas.
@@ -96,14 +94,12 @@ else
   step parity "${PARITY_TIMEOUT:-1800}" "$PY" -m parity --device cuda $PARITY_ARGS \
     --json "$out/parity.json"
 fi
-step bench "${BENCH_TIMEOUT:-1800}" "$PY" -m benchmarks.bench --json "$out/bench.json" \
-  --plot "$out/bench.png" ${BENCH_ARGS:-}
-step ragged "${RAGGED_TIMEOUT:-1800}" "$PY" -m benchmarks.bench_ragged --json "$out/ragged.json" \
+step decode "${DECODE_TIMEOUT:-1800}" "$PY" -m benchmarks.decode --json "$out/decode.json" \
+  ${DECODE_ARGS:-}
+step ragged "${RAGGED_TIMEOUT:-1800}" "$PY" -m benchmarks.ragged --json "$out/ragged.json" \
   ${RAGGED_ARGS:-}
-step mosaic "${MOSAIC_TIMEOUT:-1800}" "$PY" -m benchmarks.bench_mosaic --json "$out/mosaic.json" \
-  ${MOSAIC_ARGS:-}
-step anatomy "${ANATOMY_TIMEOUT:-1800}" "$PY" -m benchmarks.decode_anatomy \
-  --json "$out/anatomy.json" ${ANATOMY_ARGS:-}
+step write "${WRITE_TIMEOUT:-1800}" "$PY" -m benchmarks.write --json "$out/write.json" \
+  ${WRITE_ARGS:-}
 step e2e "${E2E_TIMEOUT:-1800}" env HF_HUB_OFFLINE=1 "$PY" -m examples.generate --bench \
   ${E2E_ARGS:-}
 # shellcheck disable=SC2086  # the log names (letters, digits, '-', '.') split into words

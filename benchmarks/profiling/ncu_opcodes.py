@@ -2,9 +2,9 @@ r"""An Nsight Compute source page, summed by SASS opcode: where a kernel's instr
 warps' stall samples go.
 
     ncu ... --section SourceCounters --section WarpStateStats -o REPORT \
-        python -m benchmarks.profile_kernel --shape S
+        python -m benchmarks.profiling.profile_kernel --shape S
     ncu -i REPORT --page source --csv --print-source sass > source.csv
-    python -m benchmarks.ncu_opcodes source.csv [--top 20]
+    python -m benchmarks.profiling.ncu_opcodes source.csv [--top 20]
 
 Every numeric column of the page (instructions executed, stall samples, ...) is summed over the
 instructions of each opcode (the SASS mnemonic without its predicate, e.g. ``LDS.U8``); the table

@@ -3,11 +3,12 @@ r"""A few calls of one named shape's kernel, for a profiler to look at (Nsight C
     ncu --clock-control none --kernel-name regex:pallas_paged --launch-skip 1 \
         --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section Occupancy --section SourceCounters \
-        python -m benchmarks.profile_kernel --shape fp8_b32_ctx4096
+        python -m benchmarks.profiling.profile_kernel --shape fp8_b32_ctx4096
 
 ``--shape`` names a decode shape of `benchmarks.shapes` (runs `pallas_paged.decode`) or a ragged
-one of `benchmarks.bench_ragged.SHAPES` (runs `pallas_paged.paged_attention`), with the config
-the call picks (for decode, ``--config bk64/pr1`` replaces those fields of it), or ``--impl``.
+one (runs `pallas_paged.paged_attention`), with the config the call picks (for decode,
+``--config bk64/pr1`` replaces those fields of it, `benchmarks._cli.config_label`'s parts), or
+``--impl``.
 The script runs ``--calls`` calls and prints the names of the kernels in the program (the
 profiler's ``--kernel-name`` filter). Nothing is timed here: read the
 profiler's report.
@@ -22,63 +23,61 @@ import sys
 import jax
 
 import pallas_paged as pp
-from benchmarks import bench_mosaic, bench_ragged
-from benchmarks.bench import parse_decode_config
-from benchmarks.shapes import make_decode_inputs, shape_by_name
-from pallas_paged.decode_attention.api import picked_config
+from benchmarks._cli import parse_config
+from benchmarks.shapes import (RaggedBenchShape, make_decode_inputs, make_ragged_inputs,
+                               shape_by_name)
+from pallas_paged._platform import resolve_interpret
+from pallas_paged.decode_attention.api import select_kernel
 
 
 def decode_call(name: str, impl: str, fields: dict | None = None):
     """``(description, jitted fn, args)`` of one decode call on shape ``name``'s inputs; with
-    ``fields`` (`benchmarks.bench.parse_decode_config`'s, or for ``impl="mosaic"``
-    `benchmarks.bench_mosaic.parse_config`'s), the config ``decode`` picks with those fields
+    ``fields`` (`benchmarks._cli.parse_config`'s), the config ``decode`` picks with those fields
     replaced."""
     shape = shape_by_name(name)
     inputs = make_decode_inputs(shape, seed=0)
-    scales = {} if inputs.k_scale is None else dict(k_scale=inputs.k_scale,
-                                                   v_scale=inputs.v_scale)
     config = None
     if fields:
-        config = dataclasses.replace(
-            picked_config(inputs.q[0], inputs.k_cache, inputs.block_tables[0], impl=impl),
-            **fields)
+        _, picked = select_kernel(*shape.abstract_args(), impl=impl, config=None,
+                                  interpret=resolve_interpret(None))
+        config = dataclasses.replace(picked, **fields)
     # the caches are arguments: closed over, they would be captured as constants of the program
     fn = jax.jit(lambda q, k, v, t, n: pp.decode(q, k, v, t, n, impl=impl, config=config,
-                                                 **scales))
-    return shape.describe() + ("" if config is None else f", {config}"), fn, (
-        inputs.q[0], inputs.k_cache, inputs.v_cache, inputs.block_tables[0], inputs.context_lens)
-
-
-RAGGED_SHAPES = {shape.name: shape for shape in bench_ragged.SHAPES}
+                                                 sliding_window=shape.sliding_window,
+                                                 **shape.scales))
+    return shape.describe() + ("" if config is None else f", {config}"), fn, inputs.args(0)
 
 
 def ragged_call(name: str, impl: str):
     """``(description, jitted fn, args)`` of one ragged call on shape ``name``'s inputs."""
-    shape = RAGGED_SHAPES[name]
-    inputs = bench_ragged.make_inputs(shape, seed=0)
-    fn = jax.jit(lambda *args: pp.paged_attention(*args, impl=impl))
-    return shape.describe(), fn, inputs.args()
+    shape = shape_by_name(name)
+    inputs = make_ragged_inputs(shape, seed=0)
+    fn = jax.jit(lambda *args: pp.paged_attention(*args, impl=impl, **shape.scales))
+    return shape.describe(), fn, inputs.args(0)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", required=True,
-                        help="a decode shape of benchmarks.shapes or a ragged one of"
-                        " benchmarks.bench_ragged.SHAPES")
+                        help="a decode or ragged shape of benchmarks.shapes")
     parser.add_argument("--impl", default="pallas")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--config", default=None,
                         help="decode shapes: bk64/pr1 (any subset; with --impl mosaic, e.g."
                         " st3/vp1) over the config decode picks")
     args = parser.parse_args(argv)
-    if args.shape in RAGGED_SHAPES:
+    try:
+        ragged = isinstance(shape_by_name(args.shape), RaggedBenchShape)
+    except ValueError as e:
+        parser.error(str(e))
+    if ragged:
         if args.config:
             parser.error("--config applies to decode shapes")
         describe, fn, call_args = ragged_call(args.shape, args.impl)
     else:
-        parse = bench_mosaic.parse_config if args.impl == "mosaic" else parse_decode_config
+        config_type = pp.MosaicDecodeConfig if args.impl == "mosaic" else pp.DecodeConfig
         try:
-            fields = parse(args.config) if args.config else None
+            fields = parse_config(args.config, config_type) if args.config else None
         except ValueError as e:
             parser.error(f"--config: {e}")
         describe, fn, call_args = decode_call(args.shape, args.impl, fields)

@@ -2,13 +2,13 @@
 a call spends the time that streaming its bytes does not explain (the launch's ramp, the programs'
 spread, the tail while the last programs finish, the gap before the next call).
 
-Run ``python -m benchmarks.program_timeline [--shapes b32_ctx4096,mha_b32_ctx4096] [--config
-LABEL] [--dispatch] [--json PATH] [--smoke]``. Each shape runs the Triton grid kernel
+Run ``python -m benchmarks.profiling.program_timeline [--shapes b32_ctx4096,mha_b32_ctx4096]
+[--config LABEL] [--dispatch] [--json PATH] [--smoke]``. Each shape runs the Triton grid kernel
 (`pallas_triton._paged_decode_kernel`, unchanged) inside a wrapper that also writes, per
 program, the global timer (``%globaltimer_lo``, ns) when it starts and when its last store is
 done, and the
-multiprocessor it ran on (``%smid``). ``Settings.loop_ops`` calls run back to back in one jitted
-program, each on its own query, as `benchmarks.decode_anatomy` times its rows; the first call's
+multiprocessor it ran on (``%smid``). ``TimerSettings.loop_ops`` calls run back to back in one
+jitted program, each on its own query, as `benchmarks.decode` times its rows; the first call's
 output is checked against ``impl="xla"``. Per call (the medians over the calls are printed):
 
 - ``span``: first start to last end; ``period``: first start to the next call's first start;
@@ -20,13 +20,13 @@ output is checked against ``impl="xla"``. Per call (the medians over the calls a
   and `benchmarks.timing.measure`'s time per call of the same loop (its steady figure and its
   whole batches'): the host's timer against the device's.
 
-``--dispatch``: the same calls also launched one per dispatch (each its own jitted program, as
-`benchmarks.bench` times shapes that need no rotation), its timeline and host figure beside the
-loop's (JSON ``dispatch``): whether calls cost the same inside one program and apart.
+``--dispatch``: the same calls also launched one per dispatch (each its own jitted program), its
+timeline and host figure beside the loop's (JSON ``dispatch``): whether calls cost the same
+inside one program and apart.
 
 ``--smoke``: a tiny shape in interpret mode (no timer there: the timestamps are zeros); it checks
 the wrapper's output against ``impl="xla"``, not the timeline. ``--config`` takes
-`benchmarks.bench.config_label`'s parts over the picked config; configs with splits must merge in
+`benchmarks._cli.config_label`'s parts over the picked config; configs with splits must merge in
 the kernel (``mk1``), and persistent programs are refused (their own kernel).
 """
 
@@ -43,16 +43,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 import pallas_paged as pp
-from benchmarks.bench import (ROTATE_BYTES, abstract_args, compare, config_label,
-                              parse_decode_config, per_call, tool_parser, tool_setup,
-                              tool_shape_names, write_tool_json)
-from benchmarks.shapes import make_decode_inputs, rotation_copies, shape_by_name
-from benchmarks.timing import measure
+from benchmarks import _cli
+from benchmarks._cli import compare, config_label
+from benchmarks.shapes import (DECODE_SHAPES, DECODE_SMOKE, make_decode_inputs, rotation_copies,
+                               shape_by_name)
+from benchmarks.timing import loop_reps, measure, per_call
 from pallas_paged.decode_attention import pallas_triton as decode_triton
-from pallas_paged.decode_attention.api import picked_config
+from pallas_paged.decode_attention.api import select_kernel
 
 SHAPES = ("b32_ctx4096", "mha_b32_ctx4096")
-SMOKE_SHAPES = ("small_b2_ctx64",)
+SMOKE_SHAPES = ("smoke_b2_ctx64",)
 STAMPS = 4  # per program: start ns, end ns, SM id, unused
 KERNEL_INPUTS = 10  # `_paged_decode_kernel`'s refs before its outputs (arrivals_in_ref included)
 
@@ -182,11 +182,13 @@ def run_shape(name: str, fields: dict, s, copy_tbps: float, interpret: bool,
     """One shape's loop (and, with ``dispatch``, the same calls one per dispatch): checked
     against ``impl="xla"``, then timed on the device's and the host's timers."""
     shape = shape_by_name(name)
-    copies = s.copies or rotation_copies(shape, min_bytes=ROTATE_BYTES, max_copies=s.max_copies)
-    inputs = make_decode_inputs(shape, seed=s.seed, copies=copies)
-    if inputs.k_scale is not None:
+    if shape.scales:
         raise ValueError(f"shape={name}: fp8 caches are not wrapped by this tool")
-    config = dataclasses.replace(picked_config(*abstract_args(shape)), **fields)
+    copies = rotation_copies(shape.expected_kv_bytes(), max_copies=1 if interpret else 8)
+    inputs = make_decode_inputs(shape, seed=0, copies=copies)
+    _, picked = select_kernel(*shape.abstract_args(), impl="pallas", config=None,
+                              interpret=interpret)
+    config = dataclasses.replace(picked, **fields)
     nbytes = (shape.tokens_read(inputs.context_lens_np) * shape.kv_bytes_per_token
               + 2 * shape.batch * shape.num_heads * shape.head_dim * 2)
     lens, kc, vc = inputs.context_lens, inputs.k_cache, inputs.v_cache
@@ -201,29 +203,28 @@ def run_shape(name: str, fields: dict, s, copy_tbps: float, interpret: bool,
     if not err["correct"]:
         print(f"  WRONG rel_err={err['rel_err']:.2e}", flush=True)
         return {**row, "status": "WRONG"}
-    reps = copies * max(1, -(-s.loop_ops // copies))
+    reps = loop_reps(copies, s.loop_ops)
     qs = per_call(inputs.q, copies, reps)
     tables = [inputs.block_tables[i % copies] for i in range(reps)]
     stream_us = nbytes / (copy_tbps * 1e12) * 1e6
     loop = jax.jit(lambda qs, ts, k, v: tuple(call(qs[i], k, v, ts[i], lens)[1]
                                               for i in range(reps)))
-    modes = {"loop": (lambda: loop(qs, tables, kc, vc), reps)}
+    one = jax.jit(lambda q, t, k, v: call(q, k, v, t, lens)[1])
+    # mode: (all its calls, what `measure` times, operations per timed step)
+    modes = {"loop": (lambda: loop(qs, tables, kc, vc), lambda: loop(qs, tables, kc, vc), reps)}
     if dispatch:
-        one = jax.jit(lambda q, t, k, v: call(q, k, v, t, lens)[1])
-        modes["dispatch"] = (lambda: [one(qs[i], tables[i], kc, vc) for i in range(reps)], 1)
+        modes["dispatch"] = (lambda: [one(qs[i], tables[i], kc, vc) for i in range(reps)],
+                             lambda: one(qs[0], tables[0], kc, vc), 1)
     result = {**row, "status": "ok"}
-    for mode, (calls, per_dispatch) in modes.items():
+    for mode, (calls, step, per_step) in modes.items():
         for _ in range(3):  # warm: compiled, clocks up; the last run's timelines are kept
             timelines = [np.asarray(t) for t in jax.block_until_ready(calls())]
-        if per_dispatch == 1:  # as `benchmarks.bench` times one call per dispatch
-            host = measure(lambda: one(qs[0], tables[0], kc, vc), 1, s)
-        else:  # as the benchmarks' loop mode times a call
-            host = measure(lambda: loop(qs, tables, kc, vc), reps, s)
+        host = measure(step, per_step, s)
         phases = loop_phases(timelines)
         typical = median_phases(phases)
         typical.update(at_copy_rate=stream_us, host_us=host.median_us,
                        host_batch_us=host.batch_median_us)
-        what = (f"{reps} calls in one program" if per_dispatch > 1
+        what = (f"{reps} calls in one program" if mode == "loop"
                 else f"{reps} calls, one per dispatch")
         print(f"  {what}, medians: period {typical['period'] or 0:.1f} us = span "
               f"{typical['span']:.1f} + gap {typical['gap'] or 0:.1f}; span = full "
@@ -241,18 +242,24 @@ def run_shape(name: str, fields: dict, s, copy_tbps: float, interpret: bool,
 
 
 def main(argv=None) -> int:
-    parser = tool_parser(__doc__, "a tiny shape in interpret mode (the wrapper, not the timeline)")
-    parser.add_argument("--config", default=None, type=parse_decode_config,
+    parser = _cli.parser("benchmarks.profiling.program_timeline", __doc__, shapes=False)
+    parser.add_argument("--shapes", default=None,
+                        help=f"comma-separated decode shapes (default {','.join(SHAPES)})")
+    parser.add_argument("--config", default=None,
+                        type=lambda label: _cli.parse_config(label, pp.DecodeConfig),
                         help="bk64/s1/w8/st5 (any subset): these fields over the picked config")
     parser.add_argument("--dispatch", action="store_true",
                         help="also the same calls launched one per dispatch (each its own program)")
     args = parser.parse_args(argv)
-    names = tool_shape_names(args, SHAPES, SMOKE_SHAPES)
-    s, interpret, copy = tool_setup(args.smoke)
-    results = [run_shape(name, args.config or {}, s, copy["tbps"], interpret, args.dispatch)
-               for name in names]
-    write_tool_json(args.json, copy, shapes=results)
-    return 1 if any(r["status"] == "WRONG" for r in results) else 0
+    names = args.shapes or ",".join(SMOKE_SHAPES if args.smoke else SHAPES)
+    shapes = _cli.pick_shapes(parser, names, DECODE_SHAPES + DECODE_SMOKE, (), False)
+    s, interpret = _cli.settings(args.smoke)
+    doc = _cli.run_record("benchmarks.profiling.program_timeline", argv, s, interpret)
+    doc["ceilings"] = _cli.ceilings(s, args.smoke)
+    doc["shapes"] = [run_shape(shape.name, args.config or {}, s, doc["ceilings"]["tbps"],
+                               interpret, args.dispatch) for shape in shapes]
+    _cli.write_json(args.json, doc)
+    return 1 if any(r["status"] == "WRONG" for r in doc["shapes"]) else 0
 
 
 if __name__ == "__main__":

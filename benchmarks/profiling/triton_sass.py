@@ -2,33 +2,32 @@
 (registers, shared memory, instructions by opcode, how deep its K/V tiles are pipelined, how
 many programs a multiprocessor holds) before a GPU run times it.
 
-    python -m benchmarks.triton_sass --shape fp8_b32_ctx4096 [--config bk32/s4/w2/st2/vl1 ...]
-        [--out DIR] [--top 25]
-    python -m benchmarks.triton_sass --shape mixed_4x512c2560_60dec4096 [--config bq16/sq4/st3]
+    python -m benchmarks.profiling.triton_sass --shape fp8_b32_ctx4096
+        [--config bk32/s4/w2/st2/vl1 ...] [--out DIR] [--top 25]
+    python -m benchmarks.profiling.triton_sass --shape mixed_4x512c2560_60dec4096
+        [--config bq16/sq4/st3]
 
-A decode shape (`benchmarks.shapes`) gives the decode kernel, a ragged one
-(`benchmarks.bench_ragged.SHAPES`) the ragged paged-attention kernel. The kernel is lowered as
+A decode shape of `benchmarks.shapes` gives the decode kernel, a ragged one the ragged
+paged-attention kernel. The kernel is lowered as
 `pallas_paged.decode` or `pallas_paged.paged_attention` lowers it for CUDA (an abstract H100-class
 GPU, as the CPU tests lower it), its Triton IR is taken from that lowering, and the Triton compiler
 of the ``triton`` package (installed with the ``test`` extra on Linux x86_64, not a dependency of
-the library; the figures in docs/BENCHMARKS.md are from 3.7.1) compiles it for sm_90; its
-``cuobjdump`` gives registers and SASS. On the H200 XLA compiles the same IR with its own build of
-Triton, so the counts here are a prediction to check with Nsight Compute there (for the fp8 kernel
-of 2026-12-01 they agreed: 254 registers here, 255 there, one ``LDS.U8`` per V byte in both).
+the library) compiles it for sm_90; its ``cuobjdump`` gives registers and SASS. On a GPU, XLA
+compiles the same IR with its own build of Triton, so the counts here are a prediction to check
+with Nsight Compute there.
 
-``--config``: parts of `benchmarks.bench.config_label`'s form (``bk<int>/s<int>/w<int>/st<int>``,
+``--config``: parts of `benchmarks._cli.config_label`'s form (``bk<int>/s<int>/w<int>/st<int>``,
 ``vl1`` for `DecodeConfig.fp8_v_at_load`, ``mk1`` for ``merge_in_kernel``, ``pr1`` for
-``fp8_pairs``; for ragged shapes `benchmarks.bench_ragged`'s, with ``bq``, ``sq``), any subset,
+``fp8_pairs``; for ragged shapes those of an `AttentionConfig`, with ``bq``, ``sq``), any subset,
 over the config the kernel picks for the shape on an NVIDIA H200; repeatable (one summary line
-per config). ``--pair-words 1|2``: `pallas_paged.decode_attention.pallas_triton.
-PAIR_WORDS_PER_CONVERSION` for the compile (fp8 column pairs). ``--out``: keep
-``kernel.ttir``, ``.ttgir``, ``.ptx``, ``.cubin`` and ``.sass`` there (one config).
+per config). ``--out``: keep ``kernel.ttir``, ``.ttgir``, ``.ptx``, ``.cubin`` and ``.sass``
+there (one config).
 
 The summary (`pipeline_summary`): the longest loop's instructions per warp (decode: the tile
 loop); the K/V rings' depths, the leading dimension of the shared-memory buffers Triton's
 pipeliner allocates for the K and V tiles (`ring_depths_in_ttgir`; the ragged kernel has one
-pair per tile loop; for decode `pallas_paged.decode_attention.pallas_triton.kv_ring_depth` is
-the model it checks: ``num_stages`` 2 to 4 give one buffer, 5 and 6 two); the programs one
+pair per tile loop; for decode `pallas_paged._triton_common.kv_ring_depth` is the model it
+checks: ``num_stages`` 2 to 4 give one buffer, 5 and 6 two); the programs one
 multiprocessor holds (`programs_per_sm`: registers, shared memory, warps, blocks of sm_90); for
 decode also the grid's waves and the K/V bytes in flight per multiprocessor at most (resident
 programs x ring depth x tile bytes), the quantity Little's law ties to bandwidth.
@@ -50,15 +49,12 @@ import jax
 import jax.numpy as jnp
 
 import pallas_paged as pp
-from benchmarks import bench_ragged
-from benchmarks.bench import abstract_args, config_label, parse_decode_config
-from benchmarks.shapes import shape_by_name
-from benchmarks.timing import kernel_variant
-from pallas_paged.decode_attention import configs
-from pallas_paged.decode_attention import pallas_triton as decode_triton
+from benchmarks._cli import config_label, parse_config as parse_label
+from benchmarks.shapes import RAGGED_SHAPES, shape_by_name
+from pallas_paged._triton_common import kv_ring_depth
+from pallas_paged.decode_attention import pallas_triton_config
 from pallas_paged.decode_attention.api import decode_shape
-from pallas_paged.decode_attention.pallas_triton import kv_ring_depth
-from pallas_paged.ragged_attention import configs as ragged_configs
+from pallas_paged.ragged_attention import pallas_triton_config as ragged_config
 from pallas_paged.ragged_attention.api import attention_shape
 
 TARGET_DEVICE = ("NVIDIA H200", 132)  # the device kind and SM count whose config is the base
@@ -74,29 +70,15 @@ SM90_BLOCK_RESERVED_SHARED, SM90_REGISTER_UNIT = 1024, 256
 
 
 def ragged_shape(shape_name: str):
-    """The `benchmarks.bench_ragged` shape of that name, or None for a decode shape."""
-    return {shape.name: shape for shape in bench_ragged.SHAPES}.get(shape_name)
+    """The ragged shape of that name, or None for a decode shape."""
+    return {shape.name: shape for shape in RAGGED_SHAPES}.get(shape_name)
 
 
 def parse_config(label: str, shape_name: str | None = None) -> dict:
     """``"bk32/w2/vl1"`` -> ``{"block_k": 32, "num_warps": 2, "fp8_v_at_load": True}`` (for a
-    ragged shape, `benchmarks.bench_ragged.parse_config`'s fields)."""
-    if shape_name is not None and ragged_shape(shape_name) is not None:
-        return bench_ragged.parse_config(label)
-    return parse_decode_config(label)
-
-
-def _ragged_args(shape) -> tuple:
-    """``(q, k_cache, block_tables, context_lens, query_start_loc)`` of a ragged shape as
-    `jax.ShapeDtypeStruct` s, one cache block per page the sequences hold."""
-    q_lens, lens = shape.lengths()
-    pages = -(-lens // shape.block_size)
-    q = jax.ShapeDtypeStruct((int(q_lens.sum()), shape.num_heads, shape.head_dim),
-                             shape.query_dtype)
-    cache = jax.ShapeDtypeStruct((int(pages.sum()), shape.block_size, shape.num_kv_heads,
-                                  shape.head_dim), shape.dtype)
-    i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)  # noqa: E731
-    return q, cache, i32(len(lens), int(pages.max())), i32(len(lens)), i32(len(lens) + 1)
+    ragged shape, an `AttentionConfig`'s fields)."""
+    ragged = shape_name is not None and ragged_shape(shape_name) is not None
+    return parse_label(label, pp.AttentionConfig if ragged else pp.DecodeConfig)
 
 
 def kernel_config(shape_name: str, overrides: dict):
@@ -104,13 +86,11 @@ def kernel_config(shape_name: str, overrides: dict):
     `pallas_paged.DecodeConfig`, or an `pallas_paged.AttentionConfig` for a ragged shape."""
     ragged = ragged_shape(shape_name)
     if ragged is not None:
-        q, cache, tables, _, _ = _ragged_args(ragged)
-        base = ragged_configs.lookup(attention_shape(q, cache, tables), *TARGET_DEVICE)
+        q, cache, tables, _, _ = ragged.abstract_args()
+        base = ragged_config.lookup(attention_shape(q, cache, tables), *TARGET_DEVICE)
         return dataclasses.replace(base, **overrides)
-    shape = shape_by_name(shape_name)
-    q, cache, tables = abstract_args(shape)
-    return dataclasses.replace(configs.lookup(decode_shape(q, cache, tables), *TARGET_DEVICE),
-                               **overrides)
+    found = decode_shape(*shape_by_name(shape_name).abstract_args())
+    return dataclasses.replace(pallas_triton_config.lookup(found, *TARGET_DEVICE), **overrides)
 
 
 def triton_ir(shape_name: str, config) -> str:
@@ -122,22 +102,19 @@ def triton_ir(shape_name: str, config) -> str:
 
     ragged = ragged_shape(shape_name)
     if ragged is not None:
-        args = _ragged_args(ragged)
-        q, cache, tables, lens, starts = args
+        q, cache, tables, lens, starts = ragged.abstract_args()
         fn = functools.partial(pp.paged_attention, impl="pallas", interpret=False,
                                config=config, **ragged.scales)
         args, prefix = (q, cache, cache, tables, lens, starts), "pallas_paged_ragged"
     else:
         shape = shape_by_name(shape_name)
-        q, one_block, tables = abstract_args(shape)
+        q, one_block, tables = shape.abstract_args()
         # As many blocks as the tables can name: with one, the clamped ids would be constants.
         cache = jax.ShapeDtypeStruct((shape.batch * shape.max_blocks,) + one_block.shape[1:],
                                      one_block.dtype)
         lens = jax.ShapeDtypeStruct((shape.batch,), jnp.int32)
-        k_scale, v_scale = shape.scales
         fn = functools.partial(pp.decode, impl="pallas", interpret=False, config=config,
-                               k_scale=k_scale, v_scale=v_scale,
-                               sliding_window=shape.sliding_window)
+                               sliding_window=shape.sliding_window, **shape.scales)
         args, prefix = (q, cache, cache, tables, lens), "pallas_paged_decode"
     modules = []
     lower = registration.lowering.lower_jaxpr_to_triton_module
@@ -270,7 +247,7 @@ def pipeline_summary(shape_name: str, config, result: dict) -> str:
     if ragged_shape(shape_name) is not None:
         rings = ", ".join(f"{depth} deep x{count}"
                           for depth, count in sorted(collections.Counter(depths).items()))
-        return (f"{bench_ragged.config_label(config).replace(' ', '/')}: {head}; K/V rings"
+        return (f"{config_label(config)}: {head}; K/V rings"
                 f" {rings or 'none'}; {per_sm} programs/SM (by {limit})")
     shape = shape_by_name(shape_name)
     sms = TARGET_DEVICE[1]
@@ -278,7 +255,7 @@ def pipeline_summary(shape_name: str, config, result: dict) -> str:
     grid = shape.num_kv_heads * (config.persistent_programs
                                  or shape.batch * config.num_splits)
     resident = min(per_sm, grid / sms)
-    tile_bytes = 2 * config.block_k * shape.head_dim * shape.cache_itemsize
+    tile_bytes = 2 * config.block_k * shape.head_dim * jnp.dtype(shape.dtype).itemsize
     in_flight = resident * max(depth, 1) * tile_bytes
     return (f"{config_label(config)}: {head}; K/V ring {depth} deep"
             + ("" if depth == model else f" (kv_ring_depth says {model})")
@@ -290,16 +267,12 @@ def pipeline_summary(shape_name: str, config, result: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", required=True,
-                        help="a decode shape of benchmarks.shapes or a ragged one of"
-                             " benchmarks.bench_ragged")
+                        help="a decode or ragged shape of benchmarks.shapes")
     parser.add_argument("--config", action="append",
                         help="bk<int>/s<int>/w<int>/st<int>/vl<0|1> (ragged: also bq, sq), any"
                              " subset; repeatable")
     parser.add_argument("--out", default=None, help="keep the IR, PTX, cubin and SASS here")
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--pair-words", type=int, choices=(1, 2), default=None,
-                        help="fp8 column pairs: u16 words per conversion"
-                             " (pallas_triton.PAIR_WORDS_PER_CONVERSION; default: its value)")
     args = parser.parse_args(argv)
     try:
         import triton  # noqa: F401 - only to fail early with a clear message
@@ -313,15 +286,12 @@ def main(argv=None) -> int:
         overrides = [parse_config(label, args.shape) if label else {} for label in labels]
     except ValueError as e:
         parser.error(str(e))
-    pair_words = {} if args.pair_words is None else {
-        (decode_triton, "PAIR_WORDS_PER_CONVERSION"): args.pair_words}
     for fields in overrides:
         config = kernel_config(args.shape, fields)
         with tempfile.TemporaryDirectory(prefix="triton_sass_") as scratch:
             out_dir = args.out or scratch
             os.makedirs(out_dir, exist_ok=True)
-            with kernel_variant(pair_words):
-                ir_text = triton_ir(args.shape, config)
+            ir_text = triton_ir(args.shape, config)
             result = compile_sass(ir_text, config, out_dir)
         opcodes = result["opcodes"]
         print(f"{args.shape} {config}: {sum(opcodes.values())} static instructions"

@@ -1,9 +1,10 @@
 """Multi-GPU scaling of paged decode: `shard_decode` on 2 GPUs against `decode` on one.
 
-    python -m benchmarks.bench_sharded [--json PATH] [--impl pallas|xla] [--smoke]
+    python -m benchmarks.sharded [--json PATH] [--impl pallas|xla] [--rounds N] [--smoke]
 
-The problem (defaults): batch 64, context 4096, 32 query heads on 8 kv heads, head_dim 128, bf16,
-block_size 16, every sequence at full length, blocks shuffled. Variants:
+The problem (`benchmarks.shapes.SHARDED`): batch 64, context 4096, 32 query heads on 8 kv heads,
+head_dim 128, bf16, block_size 16, every sequence at full length, blocks shuffled
+(`parity.layout.paged_layout`). Variants:
 
 - ``1gpu``: `decode` on one device, the baseline of every ratio below.
 - strong scaling, the same global problem on 2 devices: ``tp2`` (kv heads split, 4 per device)
@@ -11,8 +12,9 @@ block_size 16, every sequence at full length, blocks shuffled. Variants:
 - weak scaling, the same per-device problem: ``dp2-weak`` (batch 128 over 2 devices) and
   ``tp2-weak`` (64 heads on 16 kv heads over 2 devices).
 
-Reported per variant: the median step time (rounds of back-to-back calls after a warm-up, so the
-host's dispatch overlaps the device work as in a serving loop), the speedup over ``1gpu``
+Reported per variant: the median step time (`benchmarks.timing.measure`: windows of back-to-back
+calls after a warm-up, so the host's dispatch overlaps the device work as in a serving loop;
+``--rounds``: the windows), the speedup over ``1gpu``
 (strong: ``t1 / tn``; weak: ``n * t1 / tn``, the work done per unit time), the efficiency
 (speedup / devices), the KV bandwidth achieved and its fraction of the devices' copy bandwidth
 measured in the same run (`benchmarks.timing.measure_copy_bandwidth`: over 4 GiB on each device at
@@ -24,11 +26,11 @@ the timing). Each variant's failure is recorded and the others still run.
 ``--smoke`` runs tiny shapes on 2 virtual CPU devices (Pallas in interpret mode) to prove the
 script works end to end; its times mean nothing.
 
-NVLink multicast stays off: ``NCCL_NVLS_ENABLE=0`` and ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` are set
-below before this module imports JAX. (Run as ``python -m``, the package's ``__init__`` has imported
-``jax`` already; that is harmless because JAX reads the environment when it creates its backends, at
-the first device query, and NCCL when it creates a communicator; ``_configure_platform`` checks
-that no backend exists yet.) The sharded programs hold no collective, so NCCL has no work here.
+NVLink multicast stays off: ``NCCL_NVLS_ENABLE=0`` and ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` are
+set below before this module imports JAX (JAX reads the environment when it creates its backends,
+at the first device query, and NCCL when it creates a communicator; ``_configure_platform``
+checks that no backend exists yet). The sharded programs hold no collective, so NCCL has no work
+here.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from benchmarks.bench import int_at_least  # noqa: E402
+from benchmarks.shapes import SHARDED, SHARDED_SMOKE, ShardedProblem  # noqa: E402
 from benchmarks.timing import TimerSettings, jsonable, measure  # noqa: E402
 from benchmarks.timing import measure_copy_bandwidth  # noqa: E402
 
@@ -57,48 +59,26 @@ DEVICES = 2
 
 
 @dataclasses.dataclass(frozen=True)
-class Problem:
-    batch: int = 64
-    context: int = 4096
-    num_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    block_size: int = 16
-    dtype: str = "bfloat16"
-
-    @property
-    def blocks_per_seq(self) -> int:
-        return -(-self.context // self.block_size)
-
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes of K and V one decode step reads (every sequence at full length)."""
-        itemsize = jnp.dtype(self.dtype).itemsize
-        return 2 * self.batch * self.context * self.num_kv_heads * self.head_dim * itemsize
-
-    def scaled(self, **changes) -> Problem:
-        return dataclasses.replace(self, **changes)
-
-
-@dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
     scaling: str                # "baseline", "strong" or "weak"
     devices: int
-    problem: Problem            # the global problem
+    problem: ShardedProblem     # the global problem
     kv_axis: str | None = None
     batch_axis: str | None = None
 
 
-def variants(base: Problem) -> list[Variant]:
+def variants(base: ShardedProblem) -> list[Variant]:
     n = DEVICES
+    wider = dataclasses.replace(base, num_heads=n * base.num_heads,
+                                num_kv_heads=n * base.num_kv_heads)
     return [
         Variant("1gpu", "baseline", 1, base),
         Variant("tp2", "strong", n, base, kv_axis="tp"),
         Variant("dp2", "strong", n, base, batch_axis="dp"),
-        Variant("dp2-weak", "weak", n, base.scaled(batch=n * base.batch), batch_axis="dp"),
-        Variant("tp2-weak", "weak", n, base.scaled(num_heads=n * base.num_heads,
-                                                   num_kv_heads=n * base.num_kv_heads), kv_axis="tp"),
+        Variant("dp2-weak", "weak", n, dataclasses.replace(base, batch=n * base.batch),
+                batch_axis="dp"),
+        Variant("tp2-weak", "weak", n, wider, kv_axis="tp"),
     ]
 
 
@@ -117,7 +97,8 @@ def _configure_platform(smoke: bool) -> None:
         jax.config.update("jax_num_cpu_devices", DEVICES)
     else:  # pragma: no cover - older JAX
         flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()
+        os.environ["XLA_FLAGS"] = \
+            f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()
 
 
 def _random(key, shape, dtype, sharding):
@@ -130,17 +111,19 @@ def _random(key, shape, dtype, sharding):
 def build_inputs(v: Variant, devices, seed: int = 0):
     """Global arrays for variant ``v`` placed as `shard_decode` wants them.
 
-    Blocks are a shuffled permutation within each batch shard's pool; tables hold ids local to the
-    pool (with no ``batch_axis`` there is one pool and local = global). Also returns the global
-    tables for the single-device check.
+    Each batch shard's sequences are laid out in a pool of their own blocks
+    (`ShardedProblem.pool_tables`); tables hold ids local to the pool (with no ``batch_axis``
+    there is one pool and local = global). Also returns the global tables for the
+    single-device check.
     """
     from pallas_paged.sharding import decode_shardings
 
     p = v.problem
     dtype = jnp.dtype(p.dtype)
     if v.devices == 1:
-        one = jax.sharding.SingleDeviceSharding(devices[0])
-        shardings = {name: one for name in ("q", "k_cache", "v_cache", "block_tables", "context_lens")}
+        one = jax.sharding.NamedSharding(Mesh(np.array(devices[:1]), ("x",)),
+                                         jax.sharding.PartitionSpec())
+        shardings = dict.fromkeys(("q", "k_cache", "v_cache", "block_tables", "context_lens"), one)
         mesh = None
     else:
         axis = v.kv_axis or v.batch_axis
@@ -149,9 +132,7 @@ def build_inputs(v: Variant, devices, seed: int = 0):
     pools = v.devices if v.batch_axis else 1
     rows_per_pool = p.batch // pools
     blocks_per_pool = rows_per_pool * p.blocks_per_seq
-    rng = np.random.default_rng(seed)
-    local = np.concatenate([rng.permutation(blocks_per_pool).reshape(rows_per_pool, p.blocks_per_seq)
-                            for _ in range(pools)]).astype(np.int32)
+    local = p.pool_tables(np.random.default_rng(seed), pools)  # i32[batch, blocks_per_seq]
     offsets = (np.arange(p.batch) // rows_per_pool * blocks_per_pool)[:, None]
     global_tables = (local + offsets).astype(np.int32)
     lens = np.full((p.batch,), p.context, np.int32)
@@ -171,9 +152,9 @@ def kernel_config(v: Variant, impl: str):
     """The config each device's kernel picks for its local shape (None for the XLA path)."""
     if impl != "pallas":
         return None
-    from pallas_paged.decode_attention import configs
-    from pallas_paged.decode_attention.configs import DecodeShape
+    from pallas_paged import DecodeShape
     from pallas_paged._platform import device_kind, sm_count
+    from pallas_paged.decode_attention import pallas_triton_config
 
     p = v.problem
     local_batch = p.batch // (v.devices if v.batch_axis else 1)
@@ -182,7 +163,7 @@ def kernel_config(v: Variant, impl: str):
                         group=p.num_heads // p.num_kv_heads, head_dim=p.head_dim,
                         block_size=p.block_size, capacity=p.blocks_per_seq * p.block_size,
                         cache_dtype=p.dtype)
-    return configs.lookup(shape, device_kind(), sm_count())
+    return pallas_triton_config.lookup(shape, device_kind(), sm_count())
 
 
 # ------------------------------------------------------------------------------------------- runs
@@ -242,7 +223,8 @@ def _fmt(x, spec: str) -> str:
 
 
 def print_table(report: dict) -> None:
-    print(f"device: {report['device']}  x{report['num_devices']}   jax {report['jax']}   impl={report['impl']}")
+    print(f"device: {report['device']}  x{report['num_devices']}   jax {report['jax']}"
+          f"   impl={report['impl']}")
     bw = report["copy_GBps"]
     print("copy bandwidth (all devices at once): "
           + ", ".join(f"{k} dev {v:.0f} GB/s" for k, v in bw.items()))
@@ -253,11 +235,19 @@ def print_table(report: dict) -> None:
     for r in report["variants"]:
         p = r["problem"]
         ms = r.get("median_s")
-        print(f"{r['name']:<10} {r['scaling']:<8} {r['devices']:>3} {p['batch']:>4} {p['num_heads']:>3}"
-              f" {p['num_kv_heads']:>3} {_fmt(ms and ms * 1e3, '8.3f')} {_fmt(r.get('speedup'), '7.2f')}"
+        print(f"{r['name']:<10} {r['scaling']:<8} {r['devices']:>3} {p['batch']:>4}"
+              f" {p['num_heads']:>3} {p['num_kv_heads']:>3} {_fmt(ms and ms * 1e3, '8.3f')}"
+              f" {_fmt(r.get('speedup'), '7.2f')}"
               f" {_fmt(r.get('efficiency'), '5.2f')} {_fmt(r.get('kv_GBps'), '8.0f')}"
               f" {_fmt(r.get('frac_of_copy_bw') and 100 * r['frac_of_copy_bw'], '6.1f')}"
               f" {_fmt(r.get('max_abs_diff_vs_1gpu'), '9.2g')}  {r['status'][:60]}")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1")
+    return int(text)
 
 
 def main(argv=None) -> int:
@@ -265,18 +255,19 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     parser.add_argument("--impl", choices=("pallas", "xla"), default="pallas")
     parser.add_argument("--smoke", action="store_true",
-                        help="tiny shapes on 2 virtual CPU devices (interpret mode); times mean nothing")
-    parser.add_argument("--rounds", type=int_at_least(1), default=None,
-                        help="timed rounds per variant")
+                        help="tiny shapes on 2 virtual CPU devices (interpret mode); times mean"
+                             " nothing")
+    parser.add_argument("--rounds", type=positive_int, default=None,
+                        help="timed windows per variant")
     args = parser.parse_args(argv)
     _configure_platform(args.smoke)
 
     if args.smoke:
-        base = Problem(batch=4, context=40, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
+        base = SHARDED_SMOKE
         timing = TimerSettings(windows=2, window_s=0.0, warmup_s=0.0, min_calls=2, max_calls=2)
         copy_bytes = 1 << 20
     else:
-        base = Problem()
+        base = SHARDED
         timing = TimerSettings(windows=20, window_s=0.0, warmup_s=0.02, min_calls=10, max_calls=10)
         copy_bytes = 4 << 30
     if args.rounds:
@@ -284,7 +275,8 @@ def main(argv=None) -> int:
     devices = jax.devices()
     report = dict(device=devices[0].device_kind, num_devices=len(devices), jax=jax.__version__,
                   impl=args.impl, smoke=args.smoke, timing=dataclasses.asdict(timing),
-                  env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
+                  env={k: os.environ.get(k)
+                       for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
                   copy_GBps={}, variants=[])
     copy_bw = {}
     for n in sorted({1, min(DEVICES, len(devices))}):
