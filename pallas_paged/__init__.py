@@ -16,6 +16,10 @@ implementation shares in ``_attention_common.py``; fp8 scales and quantization i
   ``impl="xla"`` (plain jnp).
 - `paged_attention`: ragged paged attention (``ragged_attention/``), causal over each sequence's
   new tokens: prefill chunks, speculative decoding and decode in one call; same impls.
+- `write_kv_fused`, `decode_fused`, `paged_attention_fused`: the same over one fused cache
+  ``[num_blocks, block_size, 2 * num_kv_heads, head_dim]`` (K of kv head ``h`` at ``2h``, V at
+  ``2h + 1``), the JAX serving engines' layout; `pallas_paged.compat.ragged_paged_attention`
+  takes JAX's TPU ``ragged_paged_attention`` signature.
 - `validate_write_inputs`, `validate_decode_inputs`, `validate_attention_inputs`: eager value
   checks for untrusted inputs.
 - `DecodeConfig`, `MosaicDecodeConfig`, `AttentionConfig`: the kernels' knobs.
@@ -25,13 +29,13 @@ implementation shares in ``_attention_common.py``; fp8 scales and quantization i
 
 from pallas_paged._validation import (validate_attention_inputs, validate_decode_inputs,
                                       validate_write_inputs)
-from pallas_paged.cache_write.api import write_kv
+from pallas_paged.cache_write.api import write_kv, write_kv_fused
 from pallas_paged._fp8 import quantize_fp8
-from pallas_paged.decode_attention.api import decode
+from pallas_paged.decode_attention.api import decode, decode_fused
 from pallas_paged.decode_attention.mosaic_gpu_config import MosaicDecodeConfig
 from pallas_paged.decode_attention.pallas_triton_config import DecodeConfig, get_heuristic_config
 from pallas_paged.decode_attention.shape import DecodeShape
-from pallas_paged.ragged_attention.api import paged_attention
+from pallas_paged.ragged_attention.api import paged_attention, paged_attention_fused
 from pallas_paged.ragged_attention.pallas_triton_config import AttentionConfig
 from pallas_paged.ragged_attention.shape import AttentionShape
 from pallas_paged.sharding import (attention_shardings, decode_shardings, shard_decode,
@@ -41,6 +45,9 @@ __all__ = [
     "write_kv",
     "decode",
     "paged_attention",
+    "write_kv_fused",
+    "decode_fused",
+    "paged_attention_fused",
     "validate_write_inputs",
     "validate_decode_inputs",
     "validate_attention_inputs",

@@ -88,6 +88,12 @@ def _check_int(name: str, x) -> None:
         raise ValueError(f"{name} must be int32 or int64, got {name}.dtype={_dtype(x)}")
 
 
+def check_index_array(name: str, x, ndim: int) -> None:
+    """``x`` is an int32 or int64 array of rank ``ndim`` (a `ValueError` naming ``name``)."""
+    _check_rank(name, x, ndim)
+    _check_int(name, x)
+
+
 def _is_python_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -156,6 +162,23 @@ def static_validate_caches(k_cache, v_cache) -> None:
         raise ValueError(f"k_cache.dtype={_dtype(k_cache)} must be float32, bfloat16, float16 or float8_e4m3fn")
     if min(_shape(k_cache)) < 1:
         raise ValueError(f"{k_cache.shape=} must have every dimension >= 1")
+
+
+def static_validate_fused_cache(kv_cache):
+    """A fused cache ``[num_blocks, block_size, 2 * num_kv_heads, head_dim]`` (K of kv head ``h``
+    at combined head ``2h``, V at ``2h + 1``): its rank, dtype and an even head axis. Returns
+    the shape and dtype of its K half (and V half), ``[num_blocks, block_size, num_kv_heads,
+    head_dim]``, for the checks every layout shares."""
+    _check_rank("kv_cache", kv_cache, 4)
+    if _dtype(kv_cache) not in [jnp.dtype(d) for d in CACHE_DTYPES]:
+        raise ValueError(f"kv_cache.dtype={_dtype(kv_cache)} must be float32, bfloat16, float16 or"
+                         " float8_e4m3fn")
+    num_blocks, block_size, heads, head_dim = _shape(kv_cache)
+    if heads % 2 or min(_shape(kv_cache)) < 1:
+        raise ValueError(
+            f"kv_cache.shape={_shape(kv_cache)} must be [num_blocks, block_size, 2 * num_kv_heads,"
+            " head_dim] with every dimension >= 1: K of kv head h at 2h, V at 2h + 1")
+    return jax.ShapeDtypeStruct((num_blocks, block_size, heads // 2, head_dim), _dtype(kv_cache))
 
 
 def static_validate_fp8_scales(cache_dtype, k_scale, v_scale) -> None:

@@ -62,12 +62,18 @@ def _quantize_fp8(rows, scale, *, interpret: bool):
     return clamp_to_fp8_range(scaled).astype(jnp.float8_e4m3fn)
 
 
-def _write_rows(slots_ref, k_scale_ref, v_scale_ref, k_ref, v_ref, k_cache_ref, v_cache_ref, *,
-                tokens_per_program: int, row_chunk: int, interpret: bool):
+def _write_rows(slots_ref, k_scale_ref, v_scale_ref, k_ref, v_ref, cache_refs, *,
+                tokens_per_program: int, row_chunk: int, fused_head_dim: int | None,
+                interpret: bool):
     """The body of both kernels: load a ``[Tw, C]`` tile of each of k and v, quantize it with
     ``k_scale_ref`` / ``v_scale_ref`` when they are given, store it at the tokens' slots
-    (masked)."""
+    (masked). ``cache_refs``: the inputs aliased to the outputs, then the outputs: ``(k, v)``, or
+    with ``fused_head_dim`` the one fused cache, where column ``c`` of a token's K row (kv head
+    ``c // D``, ``D = fused_head_dim``) lies at ``(c // D) * 2D + c % D`` and of its V row ``D``
+    further."""
     num_tokens, row = k_ref.shape
+    outputs = cache_refs[len(cache_refs) // 2:]
+    k_cache_ref, v_cache_ref = (outputs[0], outputs[0]) if fused_head_dim else outputs
     num_slots = k_cache_ref.shape[0]
     tokens = pl.program_id(0) * tokens_per_program + jnp.arange(tokens_per_program)  # [Tw]
     in_batch = tokens < num_tokens
@@ -79,30 +85,32 @@ def _write_rows(slots_ref, k_scale_ref, v_scale_ref, k_ref, v_ref, k_cache_ref, 
     safe_tokens = jnp.where(in_batch, tokens, 0)
     cols = pl.program_id(1) * row_chunk + jnp.arange(row_chunk)  # [C]
     mask = keep[:, None] & (cols < row)[None, :]
-    for src, dst, scale_ref in ((k_ref, k_cache_ref, k_scale_ref),
-                                (v_ref, v_cache_ref, v_scale_ref)):
+    for half, (src, dst, scale_ref) in enumerate(((k_ref, k_cache_ref, k_scale_ref),
+                                                  (v_ref, v_cache_ref, v_scale_ref))):
         rows = plgpu.load(src.at[safe_tokens[:, None], cols[None, :]], mask=mask)  # [Tw, C]
         if scale_ref is not None:
             rows = _quantize_fp8(rows, scale_ref[0], interpret=interpret)
-        plgpu.store(dst.at[safe_slots[:, None], cols[None, :]], rows, mask=mask)
+        dst_cols = cols  # [C]
+        if fused_head_dim:
+            d = fused_head_dim
+            dst_cols = (cols // d) * (2 * d) + half * d + cols % d
+        plgpu.store(dst.at[safe_slots[:, None], dst_cols[None, :]], rows, mask=mask)
 
 
 def _write_rows_kernel(
     slots_ref,    # i32[num_tokens]
     k_ref,        # [num_tokens, row]          row = num_kv_heads * head_dim, the cache dtype
     v_ref,        # [num_tokens, row]
-    k_cache_in,   # [num_slots, row]           aliased to k_cache_ref
-    v_cache_in,   # [num_slots, row]           aliased to v_cache_ref
-    k_cache_ref,  # [num_slots, row]
-    v_cache_ref,  # [num_slots, row]
-    *,
+    *cache_refs,  # k_cache_in, v_cache_in [num_slots, row] (aliased to the outputs), then the
+                  # outputs k_cache, v_cache; fused: kv_cache_in, kv_cache [num_slots, 2 * row]
     tokens_per_program: int,
     row_chunk: int,
+    fused_head_dim: int | None,
 ):
     """Caches of the tokens' dtype: the rows are stored as loaded."""
-    del k_cache_in, v_cache_in  # the same buffers as the outputs
-    _write_rows(slots_ref, None, None, k_ref, v_ref, k_cache_ref, v_cache_ref,
-                tokens_per_program=tokens_per_program, row_chunk=row_chunk, interpret=False)
+    _write_rows(slots_ref, None, None, k_ref, v_ref, cache_refs,
+                tokens_per_program=tokens_per_program, row_chunk=row_chunk,
+                fused_head_dim=fused_head_dim, interpret=False)
 
 
 def _write_rows_fp8_kernel(
@@ -111,25 +119,24 @@ def _write_rows_fp8_kernel(
     v_scale_ref,  # f32[1]                     v_scale
     k_ref,        # [num_tokens, row]          row = num_kv_heads * head_dim; f32 / bf16 / f16
     v_ref,        # [num_tokens, row]          f32 / bf16 / f16
-    k_cache_in,   # f8e4m3fn[num_slots, row]   aliased to k_cache_ref
-    v_cache_in,   # f8e4m3fn[num_slots, row]   aliased to v_cache_ref
-    k_cache_ref,  # f8e4m3fn[num_slots, row]
-    v_cache_ref,  # f8e4m3fn[num_slots, row]
-    *,
+    *cache_refs,  # f8e4m3fn caches, as _write_rows_kernel's
     tokens_per_program: int,
     row_chunk: int,
+    fused_head_dim: int | None,
     interpret: bool,
 ):
     """float8_e4m3fn caches: the rows are quantized with the scales between load and store."""
-    del k_cache_in, v_cache_in  # the same buffers as the outputs
-    _write_rows(slots_ref, k_scale_ref, v_scale_ref, k_ref, v_ref, k_cache_ref, v_cache_ref,
-                tokens_per_program=tokens_per_program, row_chunk=row_chunk, interpret=interpret)
+    _write_rows(slots_ref, k_scale_ref, v_scale_ref, k_ref, v_ref, cache_refs,
+                tokens_per_program=tokens_per_program, row_chunk=row_chunk,
+                fused_head_dim=fused_head_dim, interpret=interpret)
 
 
-def write_pallas(k_flat, v_flat, k_rows, v_rows, slots, *, k_scale=None, v_scale=None,
+def write_pallas(flats, k_rows, v_rows, slots, *, head_dim: int, k_scale=None, v_scale=None,
                  interpret: bool, elements_per_program: int = 4096, num_warps: int = 8):
     """Write ``k_rows`` / ``v_rows`` ``[num_tokens, row]`` at ``slots`` of the flat caches
-    ``[num_slots, row]``; return the caches (the same buffers, aliased).
+    ``flats``: ``(k_flat, v_flat)``, each ``[num_slots, row]``, or ``(kv_flat,)``, ``[num_slots,
+    2 * row]`` (fused: each kv head's K columns, then its V columns); return the caches (the same
+    buffers, aliased).
 
     One program copies ``elements_per_program / row_chunk`` tokens' rows (a chunk of each). With
     ``k_scale`` and ``v_scale`` (``f32[]`` each; required for, and only for, float8_e4m3fn
@@ -141,22 +148,21 @@ def write_pallas(k_flat, v_flat, k_rows, v_rows, slots, *, k_scale=None, v_scale
     row_chunk = min(next_power_of_2(row), 1024)
     tokens_per_program = max(1, min(64, elements_per_program // row_chunk))
     grid = (pl.cdiv(max(num_tokens, 1), tokens_per_program), pl.cdiv(row, row_chunk))
-    tiling = dict(tokens_per_program=tokens_per_program, row_chunk=row_chunk)
+    tiling = dict(tokens_per_program=tokens_per_program, row_chunk=row_chunk,
+                  fused_head_dim=head_dim if len(flats) == 1 else None)
     if k_scale is None:
         kernel = functools.partial(_write_rows_kernel, **tiling)
-        operands, first_cache = (slots, k_rows, v_rows, k_flat, v_flat), 3
+        operands = (slots, k_rows, v_rows, *flats)
     else:
         kernel = functools.partial(_write_rows_fp8_kernel, interpret=interpret, **tiling)
-        operands = (slots, *kernel_scale_operands(k_scale, v_scale), k_rows, v_rows, k_flat,
-                    v_flat)
-        first_cache = 5
+        operands = (slots, *kernel_scale_operands(k_scale, v_scale), k_rows, v_rows, *flats)
+    first_cache = len(operands) - len(flats)
     return pl.pallas_call(
         kernel,
         grid=grid,
-        out_shape=(jax.ShapeDtypeStruct(k_flat.shape, k_flat.dtype),
-                   jax.ShapeDtypeStruct(v_flat.shape, v_flat.dtype)),
-        input_output_aliases={first_cache: 0, first_cache + 1: 1},
+        out_shape=tuple(jax.ShapeDtypeStruct(f.shape, f.dtype) for f in flats),
+        input_output_aliases={first_cache + i: i for i in range(len(flats))},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name="pallas_paged_write_kv",
+        name="pallas_paged_write_kv" + ("_fused" if len(flats) == 1 else ""),
     )(*operands)

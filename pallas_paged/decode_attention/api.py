@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_paged import _validation
+from pallas_paged._attention_common import split_kv_cache
 from pallas_paged._fp8 import scale_operand
 from pallas_paged._mosaic_common import warn_if_interpret_may_stall
 from pallas_paged._platform import (device_kind, resolve_interpret, sm_count,
@@ -187,27 +188,79 @@ def decode(
         values cannot raise: lengths are clamped into ``[0, max_blocks * block_size]`` and block
         ids in the valid part of a table into ``[0, num_blocks)`` (docs/RELIABILITY.md).
     """
+    return _decode_call(
+        q, (k_cache, v_cache), block_tables, context_lens, scale, logits_soft_cap=logits_soft_cap,
+        alibi_slopes=alibi_slopes, sliding_window=sliding_window, sinks=sinks, k_scale=k_scale,
+        v_scale=v_scale, return_lse=return_lse, impl=impl, interpret=interpret, config=config,
+        check_values=check_values)
+
+
+@without_triton_deprecation
+def decode_fused(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    scale: float | None = None,
+    *,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
+    sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
+    return_lse: bool = False,
+    impl: str = "auto",
+    interpret: bool | None = None,
+    config: DecodeConfig | MosaicDecodeConfig | None = None,
+    check_values: bool = True,
+):
+    """`decode` over a fused cache: the JAX serving engines' layout (SPEC.md, "Fused KV layout").
+
+    ``kv_cache [num_blocks, block_size, 2 * num_kv_heads, head_dim]`` holds K of kv head ``h`` at
+    combined head ``2h`` and V at ``2h + 1``: it is the pair ``(kv_cache[:, :, 0::2],
+    kv_cache[:, :, 1::2])``, and the result is bit for bit ``decode(q, kv_cache[:, :, 0::2],
+    kv_cache[:, :, 1::2], ...)``'s. The kernels read the interleaved rows in place (no copy, no
+    transpose of the cache). Every other argument, the options and the errors are `decode`'s.
+    """
+    return _decode_call(
+        q, (kv_cache,), block_tables, context_lens, scale, logits_soft_cap=logits_soft_cap,
+        alibi_slopes=alibi_slopes, sliding_window=sliding_window, sinks=sinks, k_scale=k_scale,
+        v_scale=v_scale, return_lse=return_lse, impl=impl, interpret=interpret, config=config,
+        check_values=check_values)
+
+
+def _decode_call(q, caches: tuple, block_tables, context_lens, scale, *, logits_soft_cap,
+                 alibi_slopes, sliding_window, sinks, k_scale, v_scale, return_lse, impl,
+                 interpret, config, check_values):
+    """`decode` and `decode_fused` from their caches: ``(k_cache, v_cache)``, or ``(kv_cache,)``
+    (fused). Validates, selects the kernel, calls the jitted program."""
+    fused = len(caches) == 1
+    if fused:  # the checks every layout shares run on the K and V halves' shape
+        k_half = v_half = _validation.static_validate_fused_cache(caches[0])
+    else:
+        k_half, v_half = caches
     options = dict(scale=scale, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
                    sliding_window=sliding_window, sinks=sinks)
-    _validation.static_validate_decode(q, k_cache, v_cache, block_tables, context_lens,
+    _validation.static_validate_decode(q, k_half, v_half, block_tables, context_lens,
                                        k_scale=k_scale, v_scale=v_scale, **options)
-    _validation.static_validate_call(k_cache, impl=impl, impls=DECODE_IMPLS,
+    _validation.static_validate_call(caches[0], impl=impl, impls=DECODE_IMPLS,
                                      return_lse=return_lse, interpret=interpret,
                                      check_values=check_values)
     if check_values and _validation.is_concrete(block_tables, context_lens, k_scale, v_scale):
-        _validation.check_decode_values(k_cache, block_tables, context_lens, k_scale, v_scale)
+        _validation.check_decode_values(k_half, block_tables, context_lens, k_scale, v_scale)
     interpret = resolve_interpret(interpret)
-    impl, config = select_kernel(q, k_cache, block_tables, impl=impl, config=config,
+    impl, config = select_kernel(q, k_half, block_tables, impl=impl, config=config,
                                  interpret=interpret)
     if impl == "mosaic":
         warn_if_interpret_may_stall(interpret, 1 + config.num_consumers, fewer="num_consumers")
-    num_blocks, block_size = k_cache.shape[:2]
+    num_blocks, block_size = k_half.shape[:2]
     capacity = block_tables.shape[1] * block_size
     if sliding_window is not None and sliding_window >= capacity:
         sliding_window = None  # every position p in [0, n) has p > n - 1 - W: no window
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     out, lse = _decode_jit(
-        q, k_cache, v_cache, _validation.host_clamp_index(block_tables, 0, num_blocks - 1),
+        q, caches, _validation.host_clamp_index(block_tables, 0, num_blocks - 1),
         _validation.host_clamp_index(context_lens, 0, capacity), alibi_slopes, sinks,
         scale_operand(k_scale), scale_operand(v_scale), scale=scale,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, impl=impl,
@@ -218,14 +271,16 @@ def decode(
 @functools.partial(
     jax.jit, static_argnames=("scale", "logits_soft_cap", "sliding_window", "impl", "interpret",
                               "config"))
-def _decode_jit(q, k_cache, v_cache, block_tables, context_lens, alibi_slopes, sinks, k_scale,
-                v_scale, *, scale: float, logits_soft_cap, sliding_window, impl: str,
-                interpret: bool, config):
-    """`decode` after validation and `select_kernel`: ``scale`` resolved, ``k_scale`` /
-    ``v_scale`` ``f32[]`` or None.
+def _decode_jit(q, caches, block_tables, context_lens, alibi_slopes, sinks, k_scale, v_scale, *,
+                scale: float, logits_soft_cap, sliding_window, impl: str, interpret: bool,
+                config):
+    """`decode` after validation and `select_kernel`: ``caches`` ``(k_cache, v_cache)`` or
+    ``(kv_cache,)`` (fused), ``scale`` resolved, ``k_scale`` / ``v_scale`` ``f32[]`` or None.
 
     Returns ``(out, lse)``. int64 indices are clamped in int64 here, before they are narrowed.
     """
+    fused = len(caches) == 1
+    k_cache, v_cache = (caches[0], caches[0]) if fused else caches
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size = k_cache.shape[:2]
     max_blocks = block_tables.shape[1]
@@ -238,9 +293,10 @@ def _decode_jit(q, k_cache, v_cache, block_tables, context_lens, alibi_slopes, s
         return (jnp.zeros(q.shape, q.dtype),
                 jnp.full((batch, num_heads), -jnp.inf, jnp.float32))
     if impl == "xla":
-        return decode_xla(q, k_cache, v_cache, tables, lens, **options)
+        return decode_xla(q, *(split_kv_cache(k_cache) if fused else caches), tables, lens,
+                          **options)
     if impl == "mosaic":
         return decode_mosaic(q, k_cache, v_cache, tables, lens, config=config,
-                             interpret=interpret, **options)
+                             interpret=interpret, fused=fused, **options)
     return decode_pallas(q, k_cache, v_cache, tables, lens, config=config, interpret=interpret,
-                         **options)
+                         fused=fused, **options)

@@ -91,7 +91,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_paged._attention_common import divides, finite_total_max, merge_splits, tile_range
+from pallas_paged._attention_common import (divides, finite_total_max, kv_head_rows,
+                                            merge_splits, num_kv_heads, tile_range)
 from pallas_paged._fp8 import kernel_scale_operands
 from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, allocated, check_device, check_jax,
                                          ctas_per_sm, import_plgpu, mma_smem, mma_swizzle)
@@ -649,10 +650,12 @@ def _paged_decode_kernel(
     rows_of_8: bool = False,
     programs: int | None = None,
     launches_merge: bool = False,
+    fused: bool = False,
 ):
     if launches_merge:  # the merge kernel's CTAs may start now and wait for this grid's end
         plgpu.griddepcontrol_launch_dependents()
-    num_blocks, block_size, kvh, head_dim = k_ref.shape
+    num_blocks, block_size, _, head_dim = k_ref.shape
+    kvh = num_kv_heads(k_ref.shape, fused)
     batch, max_blocks = tables_ref.shape
     convert = jnp.dtype(k_ref.dtype) != jnp.dtype(compute_dtype)
     v_ring = v_converted_stages(num_consumers)  # with fp8_v_in_producer: converted V tiles
@@ -772,20 +775,26 @@ def _paged_decode_kernel(
             return tuple(jnp.clip(tables_ref[it.b, jnp.clip(page, it.page_lo, it.page_hi)], 0,
                                   num_blocks - 1) for page in pages)
 
+        def k_head(it):  # item it's K rows along the cache's head axis (`kv_head_rows`)
+            return kv_head_rows(it.h, fused)[0]
+
+        def v_head(it):
+            return kv_head_rows(it.h, fused)[1]
+
         def issue(it, tile, slot, blocks):
             """TMA the K and V rows of ``tile`` (pages ``blocks``) into stage ``slot``."""
             if block_size <= block_k:
                 for j, block in enumerate(blocks):
                     rows = pl.ds(j * block_size, block_size)
-                    plgpu.copy_gmem_to_smem(k_ref.at[block, :, it.h], k_smem.at[slot, rows],
+                    plgpu.copy_gmem_to_smem(k_ref.at[block, :, k_head(it)], k_smem.at[slot, rows],
                                             k_bars.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[block, :, it.h], v_smem.at[slot, rows],
+                    plgpu.copy_gmem_to_smem(v_ref.at[block, :, v_head(it)], v_smem.at[slot, rows],
                                             v_bars.at[slot])
             else:
                 rows = pl.ds((tile % (block_size // block_k)) * block_k, block_k)
-                plgpu.copy_gmem_to_smem(k_ref.at[blocks[0], rows, it.h], k_smem.at[slot],
+                plgpu.copy_gmem_to_smem(k_ref.at[blocks[0], rows, k_head(it)], k_smem.at[slot],
                                         k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[blocks[0], rows, it.h], v_smem.at[slot],
+                plgpu.copy_gmem_to_smem(v_ref.at[blocks[0], rows, v_head(it)], v_smem.at[slot],
                                         v_bars.at[slot])
 
         def copy_query(it, qslot):
@@ -1277,7 +1286,7 @@ def _copies_per_tile(block_size: int, block_k: int) -> int:
 
 def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                        config: MosaicDecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
-                       sliding_window, sinks, k_scale, v_scale):
+                       sliding_window, sinks, k_scale, v_scale, fused: bool):
     """The kernel over the grid ``(batch, num_kv_heads, num_splits)`` (persistent: over
     `persistent_programs` CTAs), with the XLA work that builds its operands (the query padded to
     the kernel's rows where it is not read in boxes of 8, for fp8 caches divided into fp16's
@@ -1295,7 +1304,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     """
     plgpu = import_plgpu()
     batch, num_heads, head_dim = q.shape
-    _, _, kvh, _ = k_cache.shape
+    kvh = num_kv_heads(k_cache.shape, fused)
     group = num_heads // kvh
     splits = config.num_splits
     parts = splits * config.num_consumers  # partial results per (sequence, kv head)
@@ -1350,7 +1359,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
     else:
         programs, grid, grid_names = None, (batch, kvh, splits), ("batch", "kv_head", "split")
     body = functools.partial(
-        _paged_decode_kernel, plgpu=plgpu, scale=scale, group=group,
+        _paged_decode_kernel, plgpu=plgpu, scale=scale, group=group, fused=fused,
         block_k=config.block_k, num_splits=splits, num_stages=config.num_stages,
         num_consumers=config.num_consumers, queries_in_n=config.queries_in_n,
         fp8_k_in_registers=k_in_registers,
@@ -1385,7 +1394,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
             + ("_kreg" if k_in_registers else "")
             + ("_vprod" if config.fp8_v_in_producer and compute_dtype != k_cache.dtype else "")
             + ("_final" if finalize else "")
-            + (f"_persistent{programs}" if programs else ""))
+            + (f"_persistent{programs}" if programs else "") + ("_fused" if fused else ""))
     outs = plgpu.kernel(
         kernel_body,
         out_type=out_type,
@@ -1412,25 +1421,27 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
 
 def decode_mosaic(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                   config: MosaicDecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
-                  sliding_window, sinks, k_scale, v_scale):
+                  sliding_window, sinks, k_scale, v_scale, fused: bool = False):
     """The Mosaic GPU kernel over the grid ``(batch, num_kv_heads, num_splits)`` and, where it
     leaves several parts per (sequence, kv head), the Mosaic merge (`decode_kernel_call`), or
     XLA's (`merge_splits`) where that one does not apply (`merges_in_mosaic`).
 
-    Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float).
-
-    The caller has checked the call (`refusal`).
+    Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float); ``fused``:
+    ``k_cache`` and ``v_cache`` are one fused cache ``[num_blocks, block_size, 2 * num_kv_heads,
+    head_dim]``, whose K and V rows the TMA copies read in place. The caller has checked the call
+    (`refusal`, on the K half's shape).
 
     Returns:
       ``(out [batch, num_heads, head_dim] in q.dtype, lse f32[batch, num_heads])``. ``k_scale`` /
       ``v_scale`` may be python floats or ``f32[]`` arrays: both enter the program as operands.
     """
     batch, num_heads, head_dim = q.shape
-    kvh = k_cache.shape[2]
+    kvh = num_kv_heads(k_cache.shape, fused)
     outs = decode_kernel_call(
         q, k_cache, v_cache, block_tables, context_lens, scale=scale, config=config,
         interpret=interpret, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+        sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+        fused=fused)
     if len(outs) == 2:  # the kernel finalized, or the Mosaic merge followed it
         out, lse = outs
     else:

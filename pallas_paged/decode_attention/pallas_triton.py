@@ -45,8 +45,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_paged._attention_common import (balanced_share, divides, merged_max_and_sum,
-                                            share_owner, tile_range)
+from pallas_paged._attention_common import (balanced_share, divides, kv_head_rows,
+                                            merged_max_and_sum, num_kv_heads, share_owner,
+                                            tile_range)
 from pallas_paged._fp8 import kernel_scale_operands
 from pallas_paged._platform import next_power_of_2
 from pallas_paged._triton_common import (MIN_DOT_ROWS, column_parts, dot_dtype, dot_nn, dot_nt,
@@ -99,7 +100,7 @@ def tile_slots(tables_ref, b, tile, first, n, *, block_k: int, block_size: int, 
 def attend_tiles(tables_ref, k_ref, v_ref, qs, score_scale, slopes, *, b, h, n, first,
                  tile_lo, tile_hi, words, word_ok, block_k: int, block_size: int,
                  compute_dtype, soft_cap: float | None, fp8_v_at_load: bool, fp8_pairs: bool,
-                 interpret: bool):
+                 fused: bool, interpret: bool):
     """The online softmax of one kv head's query rows over tiles ``[tile_lo, tile_hi)`` of
     sequence ``b`` (the kernels' tile loop, which Triton pipelines).
 
@@ -111,6 +112,7 @@ def attend_tiles(tables_ref, k_ref, v_ref, qs, score_scale, slopes, *, b, h, n, 
       b, h, n, first: int32 scalars: the sequence, the kv head, its clamped length and its first
         position inside the window (`tile_range`); tile_lo, tile_hi: int32 scalars.
       words, word_ok: `column_parts`' word indices and mask, i32[Dq] / bool[Dq].
+      fused: ``k_ref`` and ``v_ref`` are one fused cache (`kv_head_rows`).
 
     Returns:
       ``(accs, m, l)``: per part the unnormalized weighted sum f32[Gp, Dq], the running max and
@@ -118,15 +120,16 @@ def attend_tiles(tables_ref, k_ref, v_ref, qs, score_scale, slopes, *, b, h, n, 
     """
     num_blocks = k_ref.shape[0] // block_size
     padded_group, part_dim = qs[0].shape
-    load_tile = functools.partial(load_kv_parts, h=h, words=words, fp8_pairs=fp8_pairs,
+    load_tile = functools.partial(load_kv_parts, words=words, fp8_pairs=fp8_pairs,
                                   interpret=interpret)
+    k_head, v_head = kv_head_rows(h, fused)
 
     def tile_body(tile, carry):
         accs, m_prev, l_prev = carry  # (f32[Gp, Dq],) * parts, f32[Gp], f32[Gp]
         pos, valid, slot = tile_slots(tables_ref, b, tile, first, n, block_k=block_k,
                                       block_size=block_size, num_blocks=num_blocks)
         kv_mask = valid[:, None] & word_ok[None, :]
-        ks = load_tile(k_ref, slot, mask=kv_mask)  # [Tk, Dq] each
+        ks = load_tile(k_ref, slot, k_head, mask=kv_mask)  # [Tk, Dq] each
         s = functools.reduce(jnp.add, [dot_nt(q, k.astype(compute_dtype))
                                        for q, k in zip(qs, ks)])  # f32[Gp, Tk]
         s = s * score_scale
@@ -139,7 +142,7 @@ def attend_tiles(tables_ref, k_ref, v_ref, qs, score_scale, slopes, *, b, h, n, 
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # all -inf so far: keep exp finite
         alpha = softmax_exp(m_prev - m_safe, interpret=interpret)  # f32[Gp]
         p = softmax_exp(s - m_safe[:, None], interpret=interpret)  # f32[Gp, Tk], 0 where masked
-        vs = load_tile(v_ref, slot, mask=kv_mask)  # [Tk, Dq] each
+        vs = load_tile(v_ref, slot, v_head, mask=kv_mask)  # [Tk, Dq] each
         if fp8_pairs:  # the pairs' fp16 tiles, in fp32 for an fp32 query
             vs = tuple(v.astype(compute_dtype) for v in vs)
         else:
@@ -185,8 +188,9 @@ def _paged_decode_kernel(
     tables_ref,  # i32[batch, max_blocks]
     q_ref,       # [batch, num_kv_heads, group, head_dim]
     k_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (the cache, slot-major;
-                 #  fp8_pairs: u16[..., head_dim / 2], two columns per word)
-    v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (fp8_pairs: as k_ref)
+                 #  fp8_pairs: u16[..., head_dim / 2], two columns per word; fused: the one
+                 #  [num_blocks * block_size, 2 * num_kv_heads, head_dim] cache)
+    v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (as k_ref; fused: k_ref)
     alibi_ref,   # f32[num_kv_heads, group] or None
     sinks_ref,   # f32[num_kv_heads, group] or None
     k_scale_ref,  # f32[1], the k_scale of an fp8 cache, or None
@@ -207,6 +211,7 @@ def _paged_decode_kernel(
     merge_in_kernel: bool,
     fp8_v_at_load: bool,
     fp8_pairs: bool,
+    fused: bool,
     interpret: bool,
 ):
     del arrivals_in_ref  # aliased to the arrivals output, which the kernel updates
@@ -231,7 +236,7 @@ def _paged_decode_kernel(
         tables_ref, k_ref, v_ref, qs, score_scale, slopes, b=b, h=h, n=n, first=first,
         tile_lo=tile_lo, tile_hi=tile_hi, words=words, word_ok=word_ok, block_k=block_k,
         block_size=block_size, compute_dtype=compute_dtype, soft_cap=soft_cap,
-        fp8_v_at_load=fp8_v_at_load, fp8_pairs=fp8_pairs, interpret=interpret)
+        fp8_v_at_load=fp8_v_at_load, fp8_pairs=fp8_pairs, fused=fused, interpret=interpret)
     if v_scale_ref is not None:
         accs = tuple(acc * v_scale_ref[0] for acc in accs)
 
@@ -303,6 +308,7 @@ def _persistent_decode_kernel(
     window: int | None,
     fp8_v_at_load: bool,
     fp8_pairs: bool,
+    fused: bool,
     interpret: bool,
 ):
     """`DecodeConfig.persistent_programs`: ``num_programs`` programs per kv head deal the tiles
@@ -363,7 +369,7 @@ def _persistent_decode_kernel(
             tile_lo=tile_first + lo - seq_start, tile_hi=tile_first + hi - seq_start,
             words=words, word_ok=word_ok, block_k=block_k, block_size=block_size,
             compute_dtype=compute_dtype, soft_cap=soft_cap, fp8_v_at_load=fp8_v_at_load,
-            fp8_pairs=fp8_pairs, interpret=interpret)
+            fp8_pairs=fp8_pairs, fused=fused, interpret=interpret)
         if v_scale_ref is not None:
             accs = tuple(acc * v_scale_ref[0] for acc in accs)
         walked = hi > lo  # (a sequence without tiles is left to the loop of empty ones below)
@@ -509,12 +515,13 @@ def merge_partials_in_program(o_ref, m_ref, l_ref, sinks_ref, out_ref, lse_ref, 
     plgpu.store(lse_ref.at[b, h, rows], lse, mask=row_ok)
 
 
-def kernel_statics(q, k_cache, config: DecodeConfig) -> dict:
+def kernel_statics(q, k_cache, config: DecodeConfig, fused: bool) -> dict:
     """The static arguments both Triton decode kernels take for one call (besides scale and the
-    options): the block size, the tile, the padded group and head dims, the dots' dtype and the
-    fp8 layout (``fp8_pairs`` where `uses_fp8_pairs`, else ``fp8_v_at_load`` for fp8 caches)."""
+    options): the block size, the tile, the padded group and head dims, the dots' dtype, the
+    fp8 layout (``fp8_pairs`` where `uses_fp8_pairs`, else ``fp8_v_at_load`` for fp8 caches) and
+    the cache layout (``fused``)."""
     _, num_heads, head_dim = q.shape
-    _, block_size, kvh, _ = k_cache.shape
+    block_size, kvh = k_cache.shape[1], num_kv_heads(k_cache.shape, fused)
     fp8_pairs = uses_fp8_pairs(config.fp8_pairs, k_cache.dtype, head_dim)
     return dict(block_size=block_size, block_k=config.block_k,
                 padded_group=max(MIN_DOT_ROWS, next_power_of_2(num_heads // kvh)),
@@ -522,16 +529,17 @@ def kernel_statics(q, k_cache, config: DecodeConfig) -> dict:
                 compute_dtype=dot_dtype(q.dtype, k_cache.dtype),
                 fp8_v_at_load=(config.fp8_v_at_load and jnp.dtype(k_cache.dtype).itemsize == 1
                                and not fp8_pairs),
-                fp8_pairs=fp8_pairs)
+                fp8_pairs=fp8_pairs, fused=fused)
 
 
 def kernel_operands(q, k_cache, v_cache, block_tables, context_lens, alibi_slopes, sinks, k_scale,
-                    v_scale, *, fp8_pairs: bool) -> tuple:
+                    v_scale, *, fp8_pairs: bool, fused: bool) -> tuple:
     """Both kernels' operands in their refs' order: lengths and tables as int32, the queries per
     kv head ``[batch, kvh, group, head_dim]``, the caches `slot_major`, ALiBi slopes and sinks per
-    kv head ``[kvh, group]`` (or None), the fp8 scales (`kernel_scale_operands`)."""
+    kv head ``[kvh, group]`` (or None), the fp8 scales (`kernel_scale_operands`). A fused cache
+    is both cache operands."""
     batch, num_heads, head_dim = q.shape
-    kvh = k_cache.shape[2]
+    kvh = num_kv_heads(k_cache.shape, fused)
     per_head = lambda x: None if x is None else x.reshape(kvh, num_heads // kvh)  # noqa: E731
     return (context_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
             q.reshape(batch, kvh, num_heads // kvh, head_dim),
@@ -543,9 +551,10 @@ def kernel_name(grid: str, statics: dict, q, k_cache, *, merged: bool = False) -
     """``pallas_paged_decode_bk64_<grid>_g4_d128_bs16[_merged][_vload][_pairs]``: a kernel's name
     in profiles, ``grid`` its grid's part (``s2`` splits, ``p33`` persistent programs per kv
     head)."""
-    group, head_dim = q.shape[1] // k_cache.shape[2], q.shape[2]
+    group, head_dim = q.shape[1] // num_kv_heads(k_cache.shape, statics["fused"]), q.shape[2]
     return (f"pallas_paged_decode_bk{statics['block_k']}_{grid}_g{group}_d{head_dim}"
             f"_bs{statics['block_size']}" + ("_merged" if merged else "")
+            + ("_fused" if statics["fused"] else "")
             + ("_vload" if statics["fp8_v_at_load"] else "")
             + ("_pairs" if statics["fp8_pairs"] else ""))
 
@@ -572,7 +581,7 @@ def grid_kernel_out_shapes(q, kvh: int, splits: int, merge_in_kernel: bool) -> t
 
 def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                        config: DecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
-                       sliding_window, sinks, k_scale, v_scale):
+                       sliding_window, sinks, k_scale, v_scale, fused: bool):
     """The kernel alone, over the grid ``(batch, num_kv_heads, num_splits)``.
 
     Arguments as `decode_pallas`.
@@ -584,16 +593,17 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
       `merge_splits` combines.
     """
     batch = q.shape[0]
-    kvh = k_cache.shape[2]
+    kvh = num_kv_heads(k_cache.shape, fused)
     splits = config.num_splits
     merge_in_kernel = config.merge_in_kernel and splits > 1
-    statics = kernel_statics(q, k_cache, config)
+    statics = kernel_statics(q, k_cache, config, fused)
     kernel = functools.partial(
         _paged_decode_kernel, scale=scale, num_splits=splits, soft_cap=logits_soft_cap,
         window=sliding_window, merge_in_kernel=merge_in_kernel, interpret=interpret, **statics)
     out_shape = grid_kernel_out_shapes(q, kvh, splits, merge_in_kernel)
     operands = kernel_operands(q, k_cache, v_cache, block_tables, context_lens, alibi_slopes,
-                               sinks, k_scale, v_scale, fp8_pairs=statics["fp8_pairs"])
+                               sinks, k_scale, v_scale, fp8_pairs=statics["fp8_pairs"],
+                               fused=fused)
     # merge_in_kernel: the arrival counts start at zero and live in the last output's buffer.
     arrivals = jnp.zeros((batch, kvh), jnp.int32) if merge_in_kernel else None
     aliases = {len(jax.tree_util.tree_leaves(operands)): len(out_shape) - 1} if merge_in_kernel \
@@ -614,7 +624,7 @@ def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale
 
 def persistent_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale,
                            config: DecodeConfig, interpret: bool, logits_soft_cap, alibi_slopes,
-                           sliding_window, sinks, k_scale, v_scale):
+                           sliding_window, sinks, k_scale, v_scale, fused: bool):
     """`_persistent_decode_kernel` over the grid ``(num_kv_heads, P)``: ``P = max(1,
     config.persistent_programs // num_kv_heads)`` programs per kv head.
 
@@ -624,10 +634,10 @@ def persistent_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, s
       ``(out [batch, kvh, group, head_dim] in q.dtype, lse f32[batch, kvh, group])``.
     """
     batch, num_heads, head_dim = q.shape
-    kvh = k_cache.shape[2]
+    kvh = num_kv_heads(k_cache.shape, fused)
     group = num_heads // kvh
     programs = max(1, config.persistent_programs // kvh)  # per kv head
-    statics = kernel_statics(q, k_cache, config)
+    statics = kernel_statics(q, k_cache, config, fused)
     kernel = functools.partial(
         _persistent_decode_kernel, scale=scale, num_programs=programs,
         padded_batch=next_power_of_2(batch), soft_cap=logits_soft_cap, window=sliding_window,
@@ -639,7 +649,8 @@ def persistent_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, s
                  jax.ShapeDtypeStruct((batch, kvh, group), jnp.float32),
                  jax.ShapeDtypeStruct((batch, kvh), jnp.int32))
     operands = kernel_operands(q, k_cache, v_cache, block_tables, context_lens, alibi_slopes,
-                               sinks, k_scale, v_scale, fp8_pairs=statics["fp8_pairs"])
+                               sinks, k_scale, v_scale, fp8_pairs=statics["fp8_pairs"],
+                               fused=fused)
     name = kernel_name(f"p{programs}", statics, q, k_cache)
     outs = pl.pallas_call(
         kernel,
@@ -657,29 +668,32 @@ def persistent_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, s
 
 def decode_pallas(q, k_cache, v_cache, block_tables, context_lens, *, scale, config: DecodeConfig,
                   interpret: bool, logits_soft_cap, alibi_slopes, sliding_window, sinks, k_scale,
-                  v_scale):
+                  v_scale, fused: bool = False):
     """`decode_kernel_call`, then the split merge when the KV axis is split (flash-decoding).
 
     Arguments as `pallas_paged.decode` (validated, ``scale`` resolved to a float, lengths and
     table ids int32; ``k_scale`` / ``v_scale`` ``f32[]`` operands or None, passed to the kernel as
     two ``f32[1]`` operands (`kernel_scale_operands`) so that the compiled kernel serves every
-    scale).
+    scale). ``fused``: ``k_cache`` and ``v_cache`` are one fused cache ``[num_blocks, block_size,
+    2 * num_kv_heads, head_dim]``, read in place.
 
     Returns:
       ``(out [batch, num_heads, head_dim] in q.dtype, lse f32[batch, num_heads])``.
     """
     batch, num_heads, head_dim = q.shape
-    kvh = k_cache.shape[2]
+    kvh = num_kv_heads(k_cache.shape, fused)
     if config.persistent_programs:
         out, lse = persistent_kernel_call(
             q, k_cache, v_cache, block_tables, context_lens, scale=scale, config=config,
             interpret=interpret, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
-            sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+            sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+            fused=fused)
         return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
     outs = decode_kernel_call(
         q, k_cache, v_cache, block_tables, context_lens, scale=scale, config=config,
         interpret=interpret, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+        sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+        fused=fused)
     if config.num_splits > 1 and not config.merge_in_kernel:
         per_head = None if sinks is None else sinks.reshape(kvh, num_heads // kvh)
         out, lse = merge_splits_pallas(*outs, context_lens.astype(jnp.int32), per_head,

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_paged import _validation
+from pallas_paged._attention_common import split_kv_cache
 from pallas_paged._platform import (device_kind, resolve_interpret, sm_count,
                                     without_triton_deprecation)
 from pallas_paged._fp8 import scale_operand
@@ -141,27 +142,81 @@ def paged_attention(
         context_lens[b]``) sees nothing and gives zeros (lse ``-inf``); lengths and block ids as
         in `pallas_paged.decode` (docs/RELIABILITY.md).
     """
+    return _paged_attention_call(
+        q, (k_cache, v_cache), block_tables, context_lens, query_start_loc, scale,
+        logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+        sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, impl=impl,
+        interpret=interpret, config=config, check_values=check_values)
+
+
+@without_triton_deprecation
+def paged_attention_fused(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    query_start_loc: jax.Array,
+    scale: float | None = None,
+    *,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
+    sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
+    return_lse: bool = False,
+    impl: str = "pallas",
+    interpret: bool | None = None,
+    config: AttentionConfig | None = None,
+    check_values: bool = True,
+):
+    """`paged_attention` over a fused cache: the JAX serving engines' layout (SPEC.md, "Fused KV
+    layout").
+
+    ``kv_cache [num_blocks, block_size, 2 * num_kv_heads, head_dim]`` holds K of kv head ``h`` at
+    combined head ``2h`` and V at ``2h + 1``: it is the pair ``(kv_cache[:, :, 0::2],
+    kv_cache[:, :, 1::2])``, and the result is bit for bit ``paged_attention(q, kv_cache[:, :,
+    0::2], kv_cache[:, :, 1::2], ...)``'s. The kernel reads the interleaved rows in place (no
+    copy, no transpose of the cache). Every other argument, the options and the errors are
+    `paged_attention`'s; `pallas_paged.compat.ragged_paged_attention` takes JAX's TPU signature.
+    """
+    return _paged_attention_call(
+        q, (kv_cache,), block_tables, context_lens, query_start_loc, scale,
+        logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+        sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, impl=impl,
+        interpret=interpret, config=config, check_values=check_values)
+
+
+def _paged_attention_call(q, caches: tuple, block_tables, context_lens, query_start_loc, scale, *,
+                          logits_soft_cap, alibi_slopes, sliding_window, sinks, k_scale, v_scale,
+                          return_lse, impl, interpret, config, check_values):
+    """`paged_attention` and `paged_attention_fused` from their caches: ``(k_cache, v_cache)``,
+    or ``(kv_cache,)`` (fused). Validates, selects the kernel, calls the jitted program."""
+    if len(caches) == 1:  # fused: the checks every layout shares run on the halves' shape
+        k_half = v_half = _validation.static_validate_fused_cache(caches[0])
+    else:
+        k_half, v_half = caches
     options = dict(scale=scale, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
                    sliding_window=sliding_window, sinks=sinks)
-    _validation.static_validate_attention(q, k_cache, v_cache, block_tables, context_lens,
+    _validation.static_validate_attention(q, k_half, v_half, block_tables, context_lens,
                                           query_start_loc, k_scale=k_scale, v_scale=v_scale,
                                           **options)
-    _validation.static_validate_call(k_cache, impl=impl, impls=ATTENTION_IMPLS,
+    _validation.static_validate_call(caches[0], impl=impl, impls=ATTENTION_IMPLS,
                                      return_lse=return_lse, interpret=interpret,
                                      check_values=check_values)
     if check_values and _validation.is_concrete(block_tables, context_lens, query_start_loc,
                                                 k_scale, v_scale):
-        _validation.check_attention_values(q, k_cache, block_tables, context_lens,
+        _validation.check_attention_values(q, k_half, block_tables, context_lens,
                                            query_start_loc, k_scale, v_scale)
-    impl, config = select_kernel(q, k_cache, block_tables, impl=impl, config=config)
+    impl, config = select_kernel(q, k_half, block_tables, impl=impl, config=config)
     num_tokens = q.shape[0]
-    num_blocks, block_size = k_cache.shape[:2]
+    num_blocks, block_size = k_half.shape[:2]
     capacity = block_tables.shape[1] * block_size
     if sliding_window is not None and sliding_window >= capacity:
         sliding_window = None  # every position j <= p < capacity has j > p - W: no window
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     out, lse = _paged_attention_jit(
-        q, k_cache, v_cache, _validation.host_clamp_index(block_tables, 0, num_blocks - 1),
+        q, caches, _validation.host_clamp_index(block_tables, 0, num_blocks - 1),
         _validation.host_clamp_index(context_lens, 0, capacity),
         _validation.host_clamp_index(query_start_loc, 0, num_tokens), alibi_slopes, sinks,
         scale_operand(k_scale), scale_operand(v_scale), scale=scale,
@@ -173,14 +228,16 @@ def paged_attention(
 @functools.partial(
     jax.jit, static_argnames=("scale", "logits_soft_cap", "sliding_window", "impl", "interpret",
                               "config"))
-def _paged_attention_jit(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                         alibi_slopes, sinks, k_scale, v_scale, *, scale: float, logits_soft_cap,
+def _paged_attention_jit(q, caches, block_tables, context_lens, query_start_loc, alibi_slopes,
+                         sinks, k_scale, v_scale, *, scale: float, logits_soft_cap,
                          sliding_window, impl: str, interpret: bool, config):
-    """`paged_attention` after validation: ``scale`` resolved, ``k_scale`` / ``v_scale`` ``f32[]``
-    or None.
+    """`paged_attention` after validation and `select_kernel`: ``caches`` ``(k_cache, v_cache)``
+    or ``(kv_cache,)`` (fused), ``scale`` resolved, ``k_scale`` / ``v_scale`` ``f32[]`` or None.
 
     Returns ``(out, lse)``. int64 indices are clamped in int64 here, before they are narrowed.
     """
+    fused = len(caches) == 1
+    k_cache, v_cache = (caches[0], caches[0]) if fused else caches
     num_tokens, num_heads, _ = q.shape
     num_blocks, block_size = k_cache.shape[:2]
     max_blocks = block_tables.shape[1]
@@ -198,6 +255,7 @@ def _paged_attention_jit(q, k_cache, v_cache, block_tables, context_lens, query_
         return (jnp.zeros(q.shape, q.dtype),
                 jnp.full((num_tokens, num_heads), -jnp.inf, jnp.float32))
     if impl == "xla":
-        return paged_attention_xla(q, k_cache, v_cache, tables, lens, starts, **options)
+        return paged_attention_xla(q, *(split_kv_cache(k_cache) if fused else caches), tables,
+                                   lens, starts, **options)
     return paged_attention_pallas(q, k_cache, v_cache, tables, lens, starts, config=config,
-                                  interpret=interpret, **options)
+                                  interpret=interpret, fused=fused, **options)

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_paged._attention_common import divides, split_share
+from pallas_paged._attention_common import divides, kv_head_rows, num_kv_heads, split_share
 from pallas_paged._fp8 import kernel_scale_operands
 from pallas_paged._platform import next_power_of_2
 from pallas_paged._triton_common import (column_parts, dot_dtype, dot_nn, dot_nt, load_kv_parts,
@@ -157,8 +157,9 @@ def _ragged_attention_kernel(
     tables_ref,  # i32[batch, max_blocks]
     q_ref,       # [num_tokens * num_heads, head_dim]  (row t * num_heads + head)
     k_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (the cache, slot-major;
-                 #  fp8_pairs: u16[..., head_dim / 2], two columns per word)
-    v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (fp8_pairs: as k_ref)
+                 #  fp8_pairs: u16[..., head_dim / 2], two columns per word; fused: the one
+                 #  [num_blocks * block_size, 2 * num_kv_heads, head_dim] cache)
+    v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (as k_ref; fused: k_ref)
     alibi_ref,   # f32[num_heads] or None
     sinks_ref,   # f32[num_heads] or None
     k_scale_ref,  # f32[1], the k_scale of an fp8 cache, or None
@@ -179,13 +180,15 @@ def _ragged_attention_kernel(
     soft_cap: float | None,
     window: int | None,
     fp8_pairs: bool,
+    fused: bool,
     interpret: bool,
 ):
     program, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     batch = lens_ref.shape[0]
     head_dim = q_ref.shape[1]
-    num_kv_heads = k_ref.shape[1]
-    num_heads = num_kv_heads * group
+    kv_heads = k_ref.shape[1] // 2 if fused else k_ref.shape[1]
+    k_head, v_head = kv_head_rows(h, fused)
+    num_heads = kv_heads * group
     num_tokens = q_ref.shape[0] // num_heads
     num_blocks = k_ref.shape[0] // block_size
     capacity = tables_ref.shape[1] * block_size
@@ -227,7 +230,7 @@ def _ragged_attention_kernel(
         # The fp8 dequantization scales enter here (scores) and after the loops (values) only.
         score_scale = scale if k_scale_ref is None else k_scale_ref[0] * scale
         qs, score_scale = query_for_dots(qs, score_scale, compute_dtype)
-        load_tile = functools.partial(load_kv_parts, h=h, words=words, fp8_pairs=fp8_pairs,
+        load_tile = functools.partial(load_kv_parts, words=words, fp8_pairs=fp8_pairs,
                                       interpret=interpret)
         if alibi_ref is not None:
             slopes = plgpu.load(alibi_ref.at[head], mask=row_real, other=0)  # f32[M]
@@ -246,7 +249,7 @@ def _ragged_attention_kernel(
                     word_ok[None, :], (block_k, padded_dim // parts))
             block = jnp.clip(block, 0, num_blocks - 1)  # a garbage id can never leave the cache
             slot = block * block_size + pos % block_size  # i32[Tk]
-            ks = load_tile(k_ref, slot, mask=kv_mask)  # [Tk, Dq] each
+            ks = load_tile(k_ref, slot, k_head, mask=kv_mask)  # [Tk, Dq] each
             s = functools.reduce(jnp.add, [dot_nt(q, k.astype(compute_dtype))
                                            for q, k in zip(qs, ks)]) * score_scale  # f32[M, Tk]
             if soft_cap is not None:
@@ -264,7 +267,7 @@ def _ragged_attention_kernel(
             # f32[M, Tk], 0 where a row does not see a position
             p = softmax_exp(s - m_safe[:, None], interpret=interpret)
             vs = tuple(v.astype(compute_dtype)
-                       for v in load_tile(v_ref, slot, mask=kv_mask))  # [Tk, Dq] each
+                       for v in load_tile(v_ref, slot, v_head, mask=kv_mask))  # [Tk, Dq] each
             if masked:  # a row with weight 0 for a NaN/Inf value row would still get 0 * NaN
                 shared = (pos >= shared_lo) & (pos < shared_hi)
                 # False for NaN and +-Inf
@@ -288,7 +291,7 @@ def _ragged_attention_kernel(
         out_mask = row_real[:, None] & word_ok[None, :]
         if num_splits > 1:
             o_ref, m_ref, l_ref = out_refs
-            split_row = ((token * num_kv_heads + h) * num_splits + split) * group + g
+            split_row = ((token * kv_heads + h) * num_splits + split) * group + g
             split_row = jnp.where(row_real, split_row, m_ref.shape[0])
             for acc, c in zip(accs, part_cols):
                 plgpu.store(o_ref.at[split_row[:, None], c[None, :]], acc, mask=out_mask)
@@ -337,19 +340,21 @@ def _ragged_attention_kernel(
 
 def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *,
                            scale, config: AttentionConfig, interpret: bool, logits_soft_cap,
-                           alibi_slopes, sliding_window, sinks, k_scale, v_scale):
+                           alibi_slopes, sliding_window, sinks, k_scale, v_scale,
+                           fused: bool = False):
     """The kernel over the grid ``(query tiles, num_kv_heads, num_splits)``, then the split merge.
 
     Arguments as `pallas_paged.paged_attention` (validated, ``scale`` resolved to a float,
     indices int32, ``num_tokens >= 1``, ``batch >= 1``; ``k_scale`` / ``v_scale`` ``f32[]``
     operands or None, passed to the kernel as two ``f32[1]`` operands (`kernel_scale_operands`)
-    so that the compiled kernel serves every scale).
+    so that the compiled kernel serves every scale). ``fused``: ``k_cache`` and ``v_cache`` are
+    one fused cache ``[num_blocks, block_size, 2 * num_kv_heads, head_dim]``, read in place.
 
     Returns:
       ``(out [num_tokens, num_heads, head_dim] in q.dtype, lse f32[num_tokens, num_heads])``.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, block_size, kvh, _ = k_cache.shape
+    block_size, kvh = k_cache.shape[1], num_kv_heads(k_cache.shape, fused)
     batch = block_tables.shape[0]
     group = num_heads // kvh
     splits = config.num_splits
@@ -361,7 +366,7 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, quer
         long_programs=config.long_query_tiles(num_tokens, batch), block_k=config.block_k,
         num_splits=splits, group=group, padded_dim=padded_dim,
         compute_dtype=dot_dtype(q.dtype, k_cache.dtype), soft_cap=logits_soft_cap,
-        window=sliding_window, fp8_pairs=fp8_pairs, interpret=interpret)
+        window=sliding_window, fp8_pairs=fp8_pairs, fused=fused, interpret=interpret)
     if splits > 1:
         rows = num_tokens * kvh * splits * group
         out_shape = (jax.ShapeDtypeStruct((rows, head_dim), jnp.float32),
@@ -372,7 +377,8 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, quer
                      jax.ShapeDtypeStruct((num_tokens * num_heads,), jnp.float32))
     name = (f"pallas_paged_ragged_bq{config.block_q}_sq{config.short_block_q}_bk{config.block_k}"
             f"_s{splits}_g{group}"
-            f"_d{head_dim}_bs{block_size}" + ("_pairs" if fp8_pairs else ""))
+            f"_d{head_dim}_bs{block_size}" + ("_pairs" if fp8_pairs else "")
+            + ("_fused" if fused else ""))
     outs = pl.pallas_call(
         kernel,
         grid=(config.query_tiles(num_tokens, batch), kvh, splits),
