@@ -3,6 +3,7 @@ measured in the same run.
 
     python -m benchmarks.decode [--shapes NAMES|all] [--impls pallas,mosaic,xla,jax] [--json F]
         [--smoke]
+    python -m benchmarks.decode --impls pallas,pallas_fused,mosaic,mosaic_fused   # the layouts
 
 Per shape (`benchmarks.shapes.DECODE_SHAPES`), each implementation with the config ``decode``
 picks for it (`select_kernel`):
@@ -11,6 +12,9 @@ picks for it (`select_kernel`):
 - ``mosaic``: ``decode(impl="mosaic")``, the Mosaic GPU kernel; skipped, with the kernel's own
   reason, where it cannot run here (jax < 0.11.2, a GPU before sm_90, a shape it does not take);
 - ``xla``: ``decode(impl="xla")``; skipped where its gathered fp32 K/V would pass 30 GB;
+- ``pallas_fused``, ``mosaic_fused`` (not by default): ``decode_fused`` on the same K/V in one
+  fused cache ``[blocks, block_size, 2 * KVH, D]`` (built outside the timed region), the kernel
+  reading the interleaved rows in place: the fused layout's cost beside the separate one's;
 - ``jax``: JAX's shipped ``jax.experimental.pallas.ops.gpu.paged_attention``, the fastest correct
   of up to four of its configs, on its own layout (pages ``[KVH, blocks, block_size, D]``,
   queries pre-scaled, per-token fp8 scales) built outside the timed region; skipped with the
@@ -34,14 +38,16 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import _cli
-from benchmarks.shapes import DECODE_SHAPES, DECODE_SMOKE, make_decode_inputs, rotation_copies
+from benchmarks.shapes import (DECODE_SHAPES, DECODE_SMOKE, fuse_caches, make_decode_inputs,
+                               rotation_copies)
 from benchmarks.timing import loop_reps, per_call, straight_line
-from pallas_paged import decode
+from pallas_paged import decode, decode_fused
 from pallas_paged._platform import device_kind
 from pallas_paged.decode_attention.api import decode_shape, select_kernel
 from pallas_paged.decode_attention.shape import shape_class
 
-IMPLS = ("pallas", "mosaic", "xla", "jax")
+IMPLS = ("pallas", "mosaic", "xla", "jax", "pallas_fused", "mosaic_fused")
+DEFAULT_IMPLS = ("pallas", "mosaic", "xla", "jax")
 XLA_LIMIT_BYTES = 30e9   # skip impl="xla" where its gathered fp32 K/V would pass this
 IMPL_MARGIN = 1.02       # an IMPL_CHOICE entry: Mosaic at least this much faster on every shape
 # JAX's paged_attention configs tried, (k_splits, pages_per_compute_block, num_warps): its
@@ -53,10 +59,14 @@ COLUMNS = [("us", "median_us", ".2f"), ("TB/s", "tbps", ".3f"), ("of copy", "of_
 
 
 def ours(impl: str, config, shape, interpret: bool):
-    """``decode`` as a loop-mode call ``f(q, table, k_cache, v_cache, lens)``."""
-    return lambda q, t, k, v, n: decode(q, k, v, t, n, impl=impl, config=config,
-                                        sliding_window=shape.sliding_window, interpret=interpret,
-                                        **shape.scales)
+    """``decode`` as a loop-mode call ``f(q, table, k_cache, v_cache, lens)``; a ``*_fused`` impl
+    as ``f(q, table, kv_cache, _, lens)``, `decode_fused` over the fused cache."""
+    options = dict(config=config, sliding_window=shape.sliding_window, interpret=interpret,
+                   **shape.scales)
+    if impl.endswith("_fused"):
+        kernel = impl.removesuffix("_fused")
+        return lambda q, t, kv, _, n: decode_fused(q, kv, t, n, impl=kernel, **options)
+    return lambda q, t, k, v, n: decode(q, k, v, t, n, impl=impl, **options)
 
 
 def jax_configs(shape) -> list[dict]:
@@ -124,18 +134,20 @@ def bench_shape(shape, impls, s, interpret: bool, copy_tbps: float, smoke: bool)
     qs = per_call(inputs.q, copies, reps)  # every call its own query [B, H, D]
     tables = [inputs.block_tables[i % copies] for i in range(reps)]  # i32[B, max_blocks] each
     shared = (inputs.k_cache, inputs.v_cache, inputs.context_lens)
+    kv = fuse_caches(inputs.k_cache, inputs.v_cache) if any(i.endswith("_fused") for i in impls) else None
     rows = []
     for impl in impls:
         row = {"shape": shape.name, "impl": impl, "config": "-", "bytes": nbytes}
-        if impl in ("pallas", "mosaic"):
+        if impl.removesuffix("_fused") in ("pallas", "mosaic"):
             try:
-                _, config = select_kernel(*shape.abstract_args(), impl=impl, config=None,
-                                          interpret=interpret)
+                _, config = select_kernel(*shape.abstract_args(), impl=impl.removesuffix("_fused"),
+                                          config=None, interpret=interpret)
             except ValueError as e:
                 row.update(status="skipped", reason=str(e))
             else:
                 fn = straight_line(ours(impl, config, shape, interpret), reps)
-                row.update(_cli.checked_timing(fn, (qs, tables, *shared), reps, s, reference),
+                caches = (kv, kv, inputs.context_lens) if impl.endswith("_fused") else shared
+                row.update(_cli.checked_timing(fn, (qs, tables, *caches), reps, s, reference),
                            config=_cli.config_label(config))
         elif impl == "xla":
             gathered = 2 * shape.batch * shape.max_blocks * shape.block_size * (
@@ -155,7 +167,7 @@ def bench_shape(shape, impls, s, interpret: bool, copy_tbps: float, smoke: bool)
             row["of_copy"] = row["tbps"] / copy_tbps
         rows.append(row)
         print(_cli.table([row], COLUMNS).splitlines()[-1], flush=True)
-    for x in qs:
+    for x in qs + ([kv] if kv is not None else []):
         x.delete()
     inputs.delete()
     return rows
@@ -193,7 +205,8 @@ def impl_choice_snippet(choice: dict) -> str:
 
 def main(argv=None) -> int:
     p = _cli.parser("benchmarks.decode", __doc__)
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma subset of {','.join(IMPLS)}")
+    p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                   help=f"comma subset of {','.join(IMPLS)}")
     args = p.parse_args(argv)
     shapes = _cli.pick_shapes(p, args.shapes, DECODE_SHAPES, DECODE_SMOKE, args.smoke)
     impls = _cli.pick_impls(p, args.impls, IMPLS)

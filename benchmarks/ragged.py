@@ -24,12 +24,14 @@ from __future__ import annotations
 import jax
 
 from benchmarks import _cli
-from benchmarks.shapes import RAGGED_SHAPES, RAGGED_SMOKE, make_ragged_inputs, rotation_copies
+from benchmarks.shapes import (RAGGED_SHAPES, RAGGED_SMOKE, fuse_caches, make_ragged_inputs,
+                               rotation_copies)
 from benchmarks.timing import loop_reps, per_call, straight_line
-from pallas_paged import decode, paged_attention
+from pallas_paged import decode, paged_attention, paged_attention_fused
 from pallas_paged.ragged_attention.api import select_kernel
 
-IMPLS = ("pallas", "xla")
+IMPLS = ("pallas", "xla", "pallas_fused")
+DEFAULT_IMPLS = ("pallas", "xla")
 COLUMNS = [("us", "median_us", ".1f"), ("TFLOP/s", "tflops", ".1f"), ("of peak", "of_peak", ".3f"),
            ("TB/s", "tbps", ".3f"), ("of copy", "of_copy", ".3f"), ("roofline", "roofline", ".3f"),
            ("vs decode", "vs_decode", ".3f")]
@@ -41,6 +43,9 @@ def call(impl: str, config, shape, interpret: bool):
     if impl == "decode":
         return lambda q, t, k, v, n, qsl: decode(q, k, v, t, n, impl="pallas",
                                                  interpret=interpret, **shape.scales)
+    if impl == "pallas_fused":  # k: the fused cache [blocks, bs, 2 * KVH, D]
+        return lambda q, t, kv, _, n, qsl: paged_attention_fused(
+            q, kv, t, n, qsl, impl="pallas", config=config, interpret=interpret, **shape.scales)
     return lambda q, t, k, v, n, qsl: paged_attention(q, k, v, t, n, qsl, impl=impl,
                                                       config=config, interpret=interpret,
                                                       **shape.scales)
@@ -58,13 +63,16 @@ def bench_shape(shape, impls, s, interpret: bool, ceilings: dict, smoke: bool) -
     qs = per_call(inputs.q, copies, reps)  # every call its own query rows [T, H, D]
     tables = [inputs.block_tables[i % copies] for i in range(reps)]  # i32[B, max_blocks] each
     shared = (inputs.k_cache, inputs.v_cache, inputs.context_lens, inputs.query_start_loc)
+    kv = fuse_caches(inputs.k_cache, inputs.v_cache) if "pallas_fused" in impls else None
     rows = []
     for impl in list(impls) + (["decode"] if shape.is_decode else []):
         config = None if impl == "decode" else select_kernel(
-            *shape.abstract_args()[:3], impl=impl, config=None)[1]  # decode: its own pick
+            *shape.abstract_args()[:3], impl=impl.removesuffix("_fused"),
+            config=None)[1]  # decode: its own pick
         row = {"shape": shape.name, "impl": impl, "config": _cli.config_label(config), **work}
         fn = straight_line(call(impl, config, shape, interpret), reps)
-        row.update(_cli.checked_timing(fn, (qs, tables, *shared), reps, s, reference))
+        caches = (kv, kv, *shared[2:]) if impl == "pallas_fused" else shared
+        row.update(_cli.checked_timing(fn, (qs, tables, *caches), reps, s, reference))
         if _cli.timed(row):
             t = row["median_us"] * 1e-6
             row.update(tflops=work["flops"] / t / 1e12, tbps=work["bytes"] / t / 1e12)
@@ -78,7 +86,7 @@ def bench_shape(shape, impls, s, interpret: bool, ceilings: dict, smoke: bool) -
         if decode_row is not None and _cli.timed(row):
             row["vs_decode"] = row["median_us"] / decode_row["median_us"]
         print(_cli.table([row], COLUMNS).splitlines()[-1], flush=True)
-    for x in qs:
+    for x in qs + ([kv] if kv is not None else []):
         x.delete()
     inputs.delete()
     return rows
@@ -86,7 +94,8 @@ def bench_shape(shape, impls, s, interpret: bool, ceilings: dict, smoke: bool) -
 
 def main(argv=None) -> int:
     p = _cli.parser("benchmarks.ragged", __doc__)
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma subset of {','.join(IMPLS)}")
+    p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                   help=f"comma subset of {','.join(IMPLS)}")
     args = p.parse_args(argv)
     shapes = _cli.pick_shapes(p, args.shapes, RAGGED_SHAPES, RAGGED_SMOKE, args.smoke)
     impls = _cli.pick_impls(p, args.impls, IMPLS)

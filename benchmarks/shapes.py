@@ -540,3 +540,11 @@ class ShardedProblem:
 
 SHARDED = ShardedProblem()
 SHARDED_SMOKE = ShardedProblem(batch=4, context=40, num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+@jax.jit
+def fuse_caches(k_cache, v_cache):
+    """``[blocks, bs, KVH, D]`` x 2 -> the fused cache ``[blocks, bs, 2 * KVH, D]`` (K of kv head
+    h at 2h, V at 2h + 1)."""
+    nb, bs, kvh, d = k_cache.shape
+    return jnp.stack([k_cache, v_cache], axis=3).reshape(nb, bs, 2 * kvh, d)

@@ -379,7 +379,7 @@ def test_decode_smoke_checks_and_times_every_impl(decode_smoke):
     assert doc["device"]["kind"] and doc["timer"] == dataclasses.asdict(timing.SMOKE_TIMER)
     assert _finite_positive(doc["ceilings"]["tbps"])
     rows = _rows(doc)
-    assert set(rows) == {(SMOKE_SHAPE, impl) for impl in decode.IMPLS}
+    assert set(rows) == {(SMOKE_SHAPE, impl) for impl in decode.DEFAULT_IMPLS}
     for impl in ("pallas", "xla"):
         row = rows[SMOKE_SHAPE, impl]
         assert row["status"] == "ok" and row["correct"] and row["rel_err"] < _cli.REL_TOL, row
@@ -418,6 +418,22 @@ def test_a_wrong_kernel_is_reported_wrong_and_exits_1(monkeypatch, tmp_path):
     assert rows[SMOKE_SHAPE, "pallas"]["status"] == "WRONG"
     assert "median_us" not in rows[SMOKE_SHAPE, "pallas"]
     assert rows[SMOKE_SHAPE, "xla"]["status"] == "ok"
+
+
+def test_the_fused_layout_rows_are_checked_and_timed(tmp_path):
+    """``--impls pallas_fused`` (decode and ragged): `decode_fused` / `paged_attention_fused` over
+    the same K/V in one fused cache, each row checked against the oracle before it is timed."""
+    path = tmp_path / "decode.json"
+    assert decode.main(["--smoke", "--shapes", SMOKE_SHAPE, "--impls", "pallas,pallas_fused",
+                        "--json", str(path)]) == 0
+    rows = _rows(json.loads(path.read_text()))
+    assert rows[SMOKE_SHAPE, "pallas_fused"]["config"] == rows[SMOKE_SHAPE, "pallas"]["config"]
+    path = tmp_path / "ragged.json"
+    assert ragged.main(["--smoke", "--shapes", "smoke_spec_b4_q4_ctx40", "--impls",
+                        "pallas_fused", "--json", str(path)]) == 0
+    for rows in (rows, _rows(json.loads(path.read_text()))):
+        for row in rows.values():
+            assert row["status"] == "ok" and row["correct"], row
 
 
 def test_impl_choice_takes_mosaic_only_where_it_won_every_shape_of_a_class():

@@ -11,8 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from oracle import oracle_paged_attention
-from paged_inputs import make_paged
+from paged_inputs import assert_close, assert_within_ulps, make_paged, reference
 
 import pallas_paged
 from examples import generate, llama
@@ -41,8 +40,11 @@ COMPARE_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", COMPARE_CASES)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[] if name == "xla-gqa-bs16-bf16"
+                                                else [pytest.mark.slow])
+                                  for name in COMPARE_CASES])
 def test_generate_compare_hf(name, capsys):
+    """The runner and Hugging Face generate the same tokens (bf16: within its logits rule)."""
     rc = generate.main(["--compare-hf", *TINY, *COMPARE_CASES[name]])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -55,7 +57,7 @@ def test_generate_compare_hf(name, capsys):
         assert "(prefill, decode): [(1, 0), (1, 1), (2, 1), " in out, out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_compare_hf_fails_on_a_wrong_attention(dtype, monkeypatch, capsys):
     """The comparison can fail: prefill attention that misses each token's own key."""
     real = llama.attend_prefill
@@ -72,6 +74,7 @@ def test_compare_hf_fails_on_a_wrong_attention(dtype, monkeypatch, capsys):
     assert ("DIFFERENT" if dtype == "float32" else "OUTSIDE") in out, out
 
 
+@pytest.mark.slow
 def test_runner_batch_changes_and_blocks_are_reused():
     """Sequences leave early, waiting ones take their blocks, tokens still equal HF's."""
     args = generate.parse_args(["--compare-hf", *TINY, "--heads", "4", "--kv-heads", "2",
@@ -96,6 +99,8 @@ def test_runner_batch_changes_and_blocks_are_reused():
 
 
 def test_runner_rejects_requests_it_cannot_serve():
+    """The runner refuses a prompt past its table, zero new tokens and token ids outside the
+    vocabulary."""
     args = generate.parse_args(["--compare-hf", *TINY, "--prompt-lens", "5", "--new-tokens", "4"])
     model = generate.build_hf_model(args)
     runner = generate.make_runner(args, model, "float32", "xla", record_logits=False)
@@ -107,7 +112,7 @@ def test_runner_rejects_requests_it_cannot_serve():
         runner.generate([Request((1, 128), 1)])
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
 def test_attend_prefill_matches_oracle(impl, rng):
     """Ragged causal attention: each new token sees its sequence's cache up to itself."""
     # A 3-token chunk after 4 cached tokens, a 1-token prompt, an empty (padding) sequence, a
@@ -121,16 +126,10 @@ def test_attend_prefill_matches_oracle(impl, rng):
     out = llama.attend_prefill(jnp.asarray(q), jnp.asarray(paged.k_cache),
                                jnp.asarray(paged.v_cache), jnp.asarray(paged.block_tables),
                                jnp.asarray(lens), jnp.asarray(starts), impl=impl)
-    out = np.asarray(out)
-    for b, (n, new) in enumerate(zip(lens, num_new)):
-        for j in range(new):
-            t = starts[b] + j
-            want, _ = oracle_paged_attention(q[t:t + 1], paged.k_cache, paged.v_cache,
-                                             paged.block_tables[b:b + 1],
-                                             np.array([n - new + j + 1]))
-            np.testing.assert_allclose(out[t], want[0], rtol=1e-5, atol=1e-5)
+    assert_close(reference(q, paged.k_cache, paged.v_cache, paged.block_tables, lens,
+                           query_start_loc=starts), out)
     # Tokens past query_start_loc[-1] belong to no sequence: zeros.
-    np.testing.assert_array_equal(out[starts[-1]:], 0.0)
+    np.testing.assert_array_equal(np.asarray(out)[starts[-1]:], 0.0)
 
 
 def ragged_attention_via_decode(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
@@ -165,6 +164,7 @@ def ragged_attention_via_decode(q, k_cache, v_cache, block_tables, context_lens,
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_ragged_via_decode_matches_paged_attention(impl, rng):
     """Prefill attention equals one decode row per new token (the decode kernel, length p + 1)."""
@@ -177,10 +177,14 @@ def test_ragged_via_decode_matches_paged_attention(impl, rng):
             jnp.asarray(paged.block_tables), jnp.asarray(lens), jnp.asarray(starts))
     want = ragged_attention_via_decode(*args, impl=impl)
     got = pallas_paged.paged_attention(*args, impl=impl)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    # fp32 sums of two kernels, in other orders: within parity's fp32 ulp bound at the output's
+    # largest magnitude.
+    assert_within_ulps(got, want, "float32", ulps=64, magnitude=float(np.abs(want).max()))
 
 
 def test_block_allocator_free_list():
+    """The allocator hands out never-used blocks first, then freed ones, and refuses over-allocation
+    and double frees."""
     allocator = BlockAllocator(4)
     first = allocator.allocate(3)
     assert first == [0, 1, 2] and allocator.num_free == 1
@@ -195,6 +199,7 @@ def test_block_allocator_free_list():
 
 
 def test_block_table_slots():
+    """A sequence's block table gives the slots of its positions and a padded table row."""
     allocator = BlockAllocator(8)
     allocator.allocate(2)                            # blocks 0 and 1 belong to someone else
     table = BlockTable(allocator, block_size=4)
@@ -211,7 +216,8 @@ def test_block_table_slots():
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_generate_compare_hf_gpu(impl, capsys):
-    """The issue's larger model on the GPU, float32: tokens equal HF's (torch on the CPU)."""
+    """A larger model (8 layers, hidden 1024, GQA 4) on the GPU, float32: tokens equal HF's
+    (torch on the CPU)."""
     rc = generate.main(["--compare-hf", "--layers", "8", "--hidden", "1024", "--heads", "16",
                         "--kv-heads", "4", "--vocab", "1024", "--block-size", "16",
                         "--prompt-lens", "5,17,33,64,100,129,1,250", "--new-tokens",
@@ -220,6 +226,7 @@ def test_generate_compare_hf_gpu(impl, capsys):
     assert rc == 0, out
 
 
+@pytest.mark.slow
 def test_generate_bench_runs(capsys):
     """``--bench`` on a tiny model: the runner's rows and transformers' row in the table."""
     rc = generate.main(["--bench", "--layers", "1", "--hidden", "64", "--heads", "4",
@@ -243,6 +250,8 @@ def test_generate_bench_gpu(capsys):
 
 
 def test_tokens_may_part_only_at_a_near_tie():
+    """The comparison forgives a parted token only where HF's top two logits are within the
+    margin."""
     logits = [np.array([0.0, 5.0, 1.0]), np.array([3.0, 3.0 - 1e-6, 0.0])]
     hf, jax_tokens = [1, 0], [1, 1]  # parted at step 1, where HF's margin is 1e-6
     assert generate.parts_at_near_tie(logits, hf, jax_tokens, 1, diff=1e-6)

@@ -5,8 +5,15 @@ that overflowed, one non-finite element, an element a few ulps too far from torc
 FlashAttention's bound, a small shift of every element). The last group: a deliberately broken JAX
 implementation (GQA heads mapped with ``repeat`` instead of ``repeat_interleave``; a write that
 lets slot -1 wrap to the last slot) must make the sweep fail on exactly the outputs that bug
-touches, and the report must name the case and the output; tests/test_mutations.py plants many
-more through the public functions.
+touches, and the report must name the case and the output.
+
+Planted bugs: each mutant wraps the public `pallas_paged.write_kv`, `pallas_paged.decode` or
+`pallas_paged.paged_attention` (the module attribute `parity.compare` calls) with one classic
+mistake, planted in the arguments it passes on or in the result it hands back, and runs the CLI
+in-process (`parity.__main__.main`) with the XLA implementation only, on the few default-suite
+cases that exercise the bug (``-k``). The test then asserts the exit code, that the failures name
+exactly the outputs the bug touches, and that they come from the judge, not from an
+implementation raising. A mutant that no case catches means the judge can be fooled.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +66,7 @@ def arrays_equal_bits(a: np.ndarray, b: np.ndarray) -> bool:
 # Cases and inputs.
 
 def test_make_inputs_is_deterministic_in_the_seed():
+    """A case's inputs are a function of its seed alone."""
     case = cases.DEFAULT_SUITE[3]
     first, again = make_inputs(case), make_inputs(case)
     assert first.keys() == again.keys()
@@ -70,6 +79,8 @@ def test_make_inputs_is_deterministic_in_the_seed():
 
 @pytest.mark.parametrize("case", PROPERTY_CASES, ids=lambda c: c.name)
 def test_inputs_have_the_adversarial_properties(case):
+    """Inputs have SPEC.md's adversarial properties: shuffled blocks, garbage tails, NaN in unused
+    slots, padding tokens, edge lengths."""
     x = make_inputs(case)
     bs, width = case.block_size, case.table_width
     lens = x["context_lens"].astype(np.int64)
@@ -123,6 +134,7 @@ def test_inputs_have_the_adversarial_properties(case):
 
 
 def test_inputs_across_the_suite_cover_every_kind_of_garbage():
+    """Across the default suite the tails hold every kind of garbage id."""
     garbage, shuffled, padding_inside, zero_rows = set(), False, False, False
     for case in cases.DEFAULT_SUITE:
         x = make_inputs(case)
@@ -142,6 +154,7 @@ def test_inputs_across_the_suite_cover_every_kind_of_garbage():
 
 
 def test_default_suite_covers_the_brief():
+    """The default suite covers every dtype, GQA ratio, block size, option and the ragged mixes."""
     suite = cases.DEFAULT_SUITE
     assert {c.group for c in suite} >= {1, 2, 3, 8}
     assert any(c.num_kv_heads == 1 for c in suite)
@@ -194,6 +207,7 @@ def test_default_suite_covers_the_brief():
     dict(batch=2, lengths=(1, 10**6)),                    # beyond capacity
 ])
 def test_bad_cases_are_refused(bad):
+    """A Case with inconsistent fields is refused, naming the field."""
     with pytest.raises(ValueError, match="Case 'bad'"):
         Case(name="bad", **bad)
 
@@ -219,6 +233,7 @@ def _special_values(dtype) -> np.ndarray:
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16,
                                    ml_dtypes.float8_e4m3fn], ids=lambda d: np.dtype(d).name)
 def test_conversion_is_bit_exact(dtype):
+    """numpy <-> torch <-> JAX keeps every bit, NaN payloads and -0.0 included."""
     rng = np.random.default_rng(0)
     random = (rng.standard_normal(300) * 50).astype(np.float32).astype(dtype)
     arr = np.concatenate([_special_values(dtype), random]).reshape(-1, 1)
@@ -246,11 +261,13 @@ def test_conversion_is_bit_exact(dtype):
 
 
 def test_to_jax_refuses_64_bit_arrays_it_would_narrow():
+    """A 64-bit array would be narrowed by JAX with x64 off: refused."""
     with pytest.raises(ValueError, match="narrowed"):
         convert.to_jax(np.zeros(3, dtype=np.int64))
 
 
 def test_only_convert_imports_both_frameworks():
+    """parity.convert is the only module importing both torch and JAX."""
     both = []
     for path in sorted((ROOT / "parity").glob("*.py")):
         tree = ast.parse(path.read_text())
@@ -270,6 +287,7 @@ def test_only_convert_imports_both_frameworks():
 # Tolerances.
 
 def test_abs_errors_treat_nan_as_infinite_and_equal_infinities_as_equal():
+    """NaN is an infinite error; equal infinities no error."""
     out = np.array([1.0, np.nan, -np.inf, np.inf, 2.0])
     truth = np.array([1.5, 0.0, -np.inf, -np.inf, np.nan])
     np.testing.assert_array_equal(tolerance.abs_errors(out, truth),
@@ -277,6 +295,7 @@ def test_abs_errors_treat_nan_as_infinite_and_equal_infinities_as_equal():
 
 
 def test_decode_tolerance_is_twice_the_baseline_error_plus_a_scaled_floor():
+    """The bound is 2 * baseline error + ATOL[dtype] * max|truth|."""
     truth = np.array([[0.5, -4.0]])
     baseline = np.array([[0.52, -4.0]])
     tol = tolerance.decode_tolerance("out", "bfloat16", truth, baseline)
@@ -314,6 +333,7 @@ def test_ragged_truth_per_sequence_equals_the_decode_view_truth(case):
                                                 "mqa_h8_d96_bs3_fp32_all",
                                                 "gqa4_h8_d128_bs12_fp8_all")], ids=lambda c: c.name)
 def test_truth_agrees_with_torch_ref_and_the_baseline_is_worse(case):
+    """The float64 truth agrees with torch_ref, and the naive baseline errs more."""
     x = make_inputs(case)
     k_cache, v_cache = apply_write(case, x)
     truth, baseline, tols = tolerance.reference_outputs(case, x, k_cache, v_cache)
@@ -341,6 +361,7 @@ def test_truth_agrees_with_torch_ref_and_the_baseline_is_worse(case):
 
 
 def test_ulp_is_the_spacing_of_the_dtype_at_the_magnitude():
+    """ulp is the dtype's spacing at |x|, the smallest normal's below it."""
     x = np.array([1.0, 1.5, -3.0, 2.0**-130, 0.0, np.inf, np.nan])
     np.testing.assert_array_equal(tolerance.ulp(x, "bfloat16"),
                                   [2.0**-7, 2.0**-7, 2.0**-6, 2.0**-133, 2.0**-133, np.inf, np.nan])
@@ -358,6 +379,7 @@ def test_ulp_is_the_spacing_of_the_dtype_at_the_magnitude():
 
 
 def test_ulps_between_counts_at_the_larger_of_the_value_and_its_magnitude():
+    """ulps_between counts at max(|ref|, magnitude)."""
     ref = np.array([1.0, 1e-3, 0.0, 2.0])
     got = ref + np.array([2.0**-6, 2.0**-6, 2.0**-6, np.nan])
     magnitude = np.array([0.5, 1.0, 1.0, 1.0])
@@ -366,6 +388,7 @@ def test_ulps_between_counts_at_the_larger_of_the_value_and_its_magnitude():
 
 
 def test_bias_bound_is_what_rounding_to_the_dtype_allows():
+    """The bias bound is what rounding each element once allows."""
     n = 4096
     sigma, floor = tolerance.bias_statistics(np.ones(n), np.ones(n), "bfloat16")
     assert sigma == pytest.approx(2.0**-7 / math.sqrt(12 * n))
@@ -383,6 +406,7 @@ def test_bias_bound_is_what_rounding_to_the_dtype_allows():
 
 
 def test_a_tolerance_from_an_overflowing_baseline_is_not_finite():
+    """A baseline that overflowed gives a bound that judges nothing."""
     truth = np.array([[0.5, -4.0]])
     tol = tolerance.decode_tolerance("out", "float16", truth, np.array([[np.inf, -4.0]]))
     assert tol.value == math.inf and not tol.finite
@@ -420,6 +444,7 @@ def _nonempty_row(outputs: dict) -> int:
 
 
 def test_a_correct_run_passes_every_check(small_result):
+    """A correct run of a small case passes every check of the judge."""
     r = small_result
     assert r.passed, report.failure_lines([r])
     labels = {c.label for c in r.checks}
@@ -455,6 +480,7 @@ def test_an_all_nan_output_fails_even_against_an_overflowed_baseline(small_outpu
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
 def test_one_non_finite_element_fails(small_outputs, value):
+    """One NaN or Inf element fails the case."""
     out = small_outputs["xla"]["out"].copy()
     out[_nonempty_row(small_outputs), 1, 2] = value
     r = compare.judge(_replaced(small_outputs, "xla", "out", out))
@@ -463,6 +489,7 @@ def test_one_non_finite_element_fails(small_outputs, value):
 
 
 def test_zero_length_rows_must_be_exact_zeros(small_outputs):
+    """A zero-length row that is not exactly 0 fails."""
     out = small_outputs["xla"]["out"].copy()
     empty = int(np.flatnonzero(small_outputs["inputs"]["context_lens"] == 0)[0])
     out[empty, 0, 0] = 1e-30
@@ -500,6 +527,7 @@ def test_the_bias_rule_catches_a_shift_too_small_for_the_other_rules(small_outpu
 
 
 def test_magnitudes_bound_the_outputs(small_outputs):
+    """The magnitudes bound the outputs they are the scale of."""
     mags, truth = small_outputs["magnitudes"], small_outputs["truth"]
     assert (mags["out"] >= np.abs(truth["out"]) * (1 - 1e-12)).all()
     rows = small_outputs["inputs"]["context_lens"] > 0
@@ -507,6 +535,7 @@ def test_magnitudes_bound_the_outputs(small_outputs):
 
 
 def test_parity_leaves_torch_precision_flags_as_it_found_them():
+    """A run restores torch's TF32 flags and matmul precision."""
     before = convert.torch_precision_flags()
     try:
         torch.set_float32_matmul_precision("high")  # TF32 allowed: what parity must not keep
@@ -546,6 +575,7 @@ def test_jax_start_up_settings_live_in_one_place(variable):
 @pytest.mark.parametrize("given,expected", [(None, f">={parity.INTERPRET_CPU_THREADS}"),
                                             ("3", "3"), ("24", "24")])
 def test_importing_parity_sizes_the_xla_cpu_pools_unless_told(given, expected):
+    """Importing parity sets NPROC to at least 8 unless already set."""
     env = {k: v for k, v in os.environ.items() if k != "NPROC"}
     if given is not None:
         env["NPROC"] = given
@@ -560,6 +590,7 @@ def test_importing_parity_sizes_the_xla_cpu_pools_unless_told(given, expected):
 
 
 def test_an_implementation_that_raises_is_a_failure_not_a_crash(monkeypatch):
+    """An implementation that raises is a failed check of its case."""
     def boom(*args, **kwargs):
         raise RuntimeError("kernel exploded")
 
@@ -579,8 +610,10 @@ def fresh_jit():
     jax.clear_caches()
 
 
+@pytest.mark.slow
 def test_gqa_repeat_instead_of_repeat_interleave_is_caught(monkeypatch, fresh_jit, capsys,
                                                            tmp_path):
+    """A JAX decode with `repeat`'s GQA mapping fails exactly the outputs it touches."""
     original = decode_api.decode_xla
 
     def tiled(q, k_cache, v_cache, *args, **kwargs):
@@ -617,8 +650,10 @@ def _write_bug_case() -> Case:
 
 
 def test_slot_minus_one_wrapping_to_the_last_slot_is_caught(monkeypatch, fresh_jit, capsys):
-    def unfiltered(k_flat, v_flat, k_rows, v_rows, slots):
+    """A JAX write that lets -1 wrap to the last slot fails the write checks."""
+    def unfiltered(flats, k_rows, v_rows, slots, *, head_dim):
         # The classic bug: no -1 filter, so a padding token lands in the last slot.
+        k_flat, v_flat = flats  # the case's caches are two, not one fused cache
         return k_flat.at[slots].set(k_rows), v_flat.at[slots].set(v_rows)
 
     monkeypatch.setattr(write_api, "write_xla", unfiltered)
@@ -639,11 +674,13 @@ def test_slot_minus_one_wrapping_to_the_last_slot_is_caught(monkeypatch, fresh_j
                                   ["--device", "tpu"], ["--impl", "triton"], ["--seed", "x"],
                                   ["--shard", "4/4"], ["--shard", "1"], ["--shard", "-1/2"]])
 def test_cli_usage_errors_exit_2(argv, capsys):
+    """Bad flags exit 2."""
     assert cli.main(argv) == 2
     assert "error" in capsys.readouterr().err
 
 
 def test_cli_lists_and_filters_cases(capsys):
+    """--list prints the selected cases."""
     assert cli.main(["--list", "--dtype", "fp8"]) == 0
     names = capsys.readouterr().out.split()
     assert names and all("fp8" in n for n in names)
@@ -652,6 +689,7 @@ def test_cli_lists_and_filters_cases(capsys):
 
 
 def test_cli_shards_partition_the_selection(capsys):
+    """--shard i/n partitions the selection."""
     assert cli.main(["--list", "--full"]) == 0
     every = capsys.readouterr().out.split()
     shards = []
@@ -662,7 +700,9 @@ def test_cli_shards_partition_the_selection(capsys):
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
 
 
+@pytest.mark.slow
 def test_cli_smoke_run_writes_json(tmp_path):
+    """A smoke run writes its JSON report."""
     path = tmp_path / "parity.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
@@ -698,6 +738,7 @@ def test_impl_mosaic_runs_the_cases_its_kernel_takes(capsys):
     assert "block_size a multiple of 8" in captured.err
 
 
+@pytest.mark.slow
 def test_impl_mosaic_beside_others_keeps_every_case_for_them(tmp_path, capsys):
     """``--impl pallas --impl mosaic``: a case the Mosaic kernel refuses still runs for pallas
     (only its mosaic checks are left out, and named); a case it takes runs for both."""
@@ -721,6 +762,7 @@ def test_impl_mosaic_beside_others_keeps_every_case_for_them(tmp_path, capsys):
 
 
 def test_query_dtype_is_for_fp8_caches_and_sets_the_query_and_output_dtype():
+    """query_dtype is for fp8 caches and sets q's and the output's dtype."""
     case = cases.Case(name="fp8_fp32q", dtype="float8_e4m3fn", query_dtype="float32",
                       k_scale=0.5, v_scale=0.5, batch=2)
     assert case.q_dtype == "float32" and "fp32q" in case.options
@@ -733,3 +775,318 @@ def test_query_dtype_is_for_fp8_caches_and_sets_the_query_and_output_dtype():
     with pytest.raises(ValueError, match="query_dtype='int8'"):
         cases.Case(name="fp8", dtype="float8_e4m3fn", query_dtype="int8", k_scale=0.5,
                    v_scale=0.5)
+
+
+def test_parity_passes_both_scale_forms():
+    """The default parity suite holds fp8 cases with float scales and with array scales, and the
+    harness hands the latter to both frameworks as fp32 arrays."""
+    fp8 = [c for c in cases.DEFAULT_SUITE if c.dtype == "float8_e4m3fn"]
+    assert {c.array_scales for c in fp8} == {False, True}
+    case = next(c for c in fp8 if c.array_scales)
+    scales = compare._scales(case, lambda s: np.asarray(s, np.float32))
+    assert all(isinstance(s, np.ndarray) and s.dtype == np.float32 for s in scales.values())
+    assert float(scales["k_scale"]) == np.float32(case.k_scale)
+    plain = next(c for c in fp8 if not c.array_scales)
+    assert compare._scales(plain, None) == dict(k_scale=plain.k_scale, v_scale=plain.v_scale)
+
+
+# ------------------------------------------------------------------------------------------------
+# Planted bugs: `python -m parity` must exit non-zero for each one, and zero without them.
+
+REAL = {"write_kv": pallas_paged.write_kv, "decode": pallas_paged.decode,
+        "paged_attention": pallas_paged.paged_attention}
+
+
+def _argv(cases: tuple[str, ...]) -> list[str]:
+    argv = ["--device", "cpu", "--impl", "xla", "-q"]
+    for name in cases:
+        argv += ["-k", name]
+    return argv
+
+
+# ------------------------------------------------------------------------------------------------
+# The planted bugs. Each factory takes the real public function and returns the broken one.
+
+def dropped_newest_token(decode):
+    def broken(q, k_cache, v_cache, block_tables, context_lens, **kw):
+        return decode(q, k_cache, v_cache, block_tables, jnp.maximum(context_lens - 1, 0), **kw)
+    return broken
+
+
+def scale_off_by_2_percent(decode):
+    def broken(q, k_cache, v_cache, block_tables, context_lens, *, scale=None, **kw):
+        scale = (1.0 / np.sqrt(q.shape[-1]) if scale is None else scale) * 1.02
+        return decode(q, k_cache, v_cache, block_tables, context_lens, scale=float(scale), **kw)
+    return broken
+
+
+def gqa_by_repeat(decode):
+    def broken(q, k_cache, v_cache, block_tables, context_lens, **kw):
+        # kv heads tiled (`repeat`), so query head h reads kv head h % KVH, not h // group.
+        group = q.shape[1] // k_cache.shape[2]
+        k_cache, v_cache = (jnp.tile(c, (1, 1, group, 1)) for c in (k_cache, v_cache))
+        return decode(q, k_cache, v_cache, block_tables, context_lens, **kw)
+    return broken
+
+
+def window_off_by_one(decode):
+    def broken(*args, sliding_window=None, **kw):
+        window = None if sliding_window is None else sliding_window + 1
+        return decode(*args, sliding_window=window, **kw)
+    return broken
+
+
+def soft_cap_ignored(decode):
+    def broken(*args, logits_soft_cap=None, **kw):
+        return decode(*args, logits_soft_cap=None, **kw)
+    return broken
+
+
+def sinks_ignored(decode):
+    def broken(*args, sinks=None, **kw):
+        return decode(*args, sinks=None, **kw)
+    return broken
+
+
+def alibi_sign_flipped(decode):
+    def broken(*args, alibi_slopes=None, **kw):
+        return decode(*args, alibi_slopes=None if alibi_slopes is None else -alibi_slopes, **kw)
+    return broken
+
+
+def k_and_v_swapped(decode):
+    def broken(q, k_cache, v_cache, *args, **kw):
+        return decode(q, v_cache, k_cache, *args, **kw)
+    return broken
+
+
+def shifted_lse(decode):
+    def broken(*args, return_lse=False, **kw):
+        res = decode(*args, return_lse=return_lse, **kw)
+        if not return_lse:
+            return res
+        out, lse = res
+        return out, lse + 2.0**-10  # e.g. a final max subtracted in a rounded copy
+    return broken
+
+
+def one_nan_in_the_output(decode):
+    def broken(q, k_cache, v_cache, block_tables, context_lens, **kw):
+        res = decode(q, k_cache, v_cache, block_tables, context_lens, **kw)
+        out, rest = (res[0], res[1:]) if isinstance(res, tuple) else (res, None)
+        row = int(jnp.argmax(context_lens))  # a row with tokens: NaN is never right there
+        out = out.at[row, 0, 0].set(jnp.nan)
+        return (out, *rest) if rest is not None else out
+    return broken
+
+
+def empty_rows_nan(decode):
+    def broken(q, k_cache, v_cache, block_tables, context_lens, **kw):
+        # 0 / 0 in the softmax of a zero-length row, left unmasked.
+        out = decode(q, k_cache, v_cache, block_tables, context_lens, **kw)
+        return jnp.where((context_lens == 0)[:, None, None], jnp.nan, out)
+    return broken
+
+
+def one_ulp_bias_of_bf16_outputs(decode):
+    def broken(q, k_cache, v_cache, block_tables, context_lens, **kw):
+        out = decode(q, k_cache, v_cache, block_tables, context_lens, **kw)
+        if out.dtype != jnp.bfloat16:
+            return out
+        # Every element of a non-empty row one bf16 ulp toward +inf (a wrong final rounding).
+        bits = jnp.asarray(out).view(jnp.uint16).astype(jnp.int32)
+        sign = jnp.sign(out.astype(jnp.float32)).astype(jnp.int32)
+        up = jnp.where(sign == 0, 1, bits + sign)  # +0 -> the smallest positive subnormal
+        up = up.astype(jnp.uint16).view(jnp.bfloat16)
+        return jnp.where((context_lens > 0)[:, None, None], up, out)
+    return broken
+
+
+def output_in_float32(decode):
+    def broken(*args, **kw):
+        return decode(*args, **kw).astype(jnp.float32)  # the cast to q.dtype forgotten
+    return broken
+
+
+def minus_one_slot_wraps(write_kv):
+    def broken(k_cache, v_cache, k, v, slot_mapping, **kw):
+        # A raw -1 index is the last slot: the last padding token lands there.
+        new_k, new_v = write_kv(k_cache, v_cache, k, v, slot_mapping, **kw)
+        pad = np.flatnonzero(np.asarray(slot_mapping) == -1)
+        if not pad.size:
+            return new_k, new_v
+        last = int(pad[-1])
+        shape = new_k.shape
+        flat = (-1, *shape[2:])
+        return (new_k.reshape(flat).at[-1].set(k[last].astype(new_k.dtype)).reshape(shape),
+                new_v.reshape(flat).at[-1].set(v[last].astype(new_v.dtype)).reshape(shape))
+    return broken
+
+
+def dropped_write(write_kv):
+    def broken(k_cache, v_cache, k, v, slot_mapping, **kw):
+        real = np.flatnonzero(np.asarray(slot_mapping) >= 0)
+        return write_kv(k_cache, v_cache, k, v, slot_mapping.at[int(real[0])].set(-1), **kw)
+    return broken
+
+
+def v_written_from_k(write_kv):
+    def broken(k_cache, v_cache, k, v, slot_mapping, **kw):
+        return write_kv(k_cache, v_cache, k, k, slot_mapping, **kw)
+    return broken
+
+
+def fp8_scale_multiplied(write_kv):
+    def broken(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None, **kw):
+        if k_scale is None:
+            return write_kv(k_cache, v_cache, k, v, slot_mapping, **kw)
+        # Stores x * scale instead of x / scale (dividing by 1 / scale).
+        return write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=1.0 / k_scale,
+                        v_scale=1.0 / v_scale, **kw)
+    return broken
+
+
+def _rows(q_rows: int, query_start_loc):
+    """Per query row: its sequence and its index among the sequence's new tokens (numpy)."""
+    starts = np.asarray(query_start_loc)
+    seq = np.clip(np.searchsorted(starts, np.arange(q_rows), side="right") - 1, 0,
+                  len(starts) - 2)
+    return seq, np.arange(q_rows) - starts[seq]
+
+
+def no_causal_mask(paged_attention):
+    def broken(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *args, **kw):
+        # Every new token attends to its sequence's whole context: one decode row per token with
+        # the full length (the classic prefill bug: the causal mask forgotten).
+        seq, _ = _rows(q.shape[0], query_start_loc)
+        lens = jnp.where(jnp.arange(q.shape[0]) < query_start_loc[-1],
+                         jnp.asarray(context_lens)[seq], 0)
+        return pallas_paged.decode(q, k_cache, v_cache, jnp.asarray(block_tables)[seq], lens,
+                                   *args, **kw)
+    return broken
+
+
+def query_sees_the_next_position(paged_attention):
+    def broken(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *args, **kw):
+        # The causal mask off by one (j <= p + 1): each new token but a sequence's last sees one
+        # position past its own.
+        seq, i = _rows(q.shape[0], query_start_loc)
+        starts, lens = np.asarray(query_start_loc), np.asarray(context_lens)
+        q_len = starts[seq + 1] - starts[seq]
+        p = lens[seq] - q_len + i
+        n = np.where(np.arange(q.shape[0]) < starts[-1], np.minimum(p + 2, lens[seq]), 0)
+        return pallas_paged.decode(q, k_cache, v_cache, jnp.asarray(block_tables)[seq],
+                                   jnp.asarray(n, jnp.int32), *args, **kw)
+    return broken
+
+
+def padding_rows_not_zeroed(paged_attention):
+    def broken(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *args, **kw):
+        res = paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                              *args, **kw)
+        out, rest = (res[0], res[1:]) if isinstance(res, tuple) else (res, None)
+        pad = (jnp.arange(q.shape[0]) >= query_start_loc[-1])[:, None, None]
+        out = jnp.where(pad, q.astype(out.dtype), out)  # the padding rows' garbage left in place
+        return (out, *rest) if rest is not None else out
+    return broken
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    """One planted bug: which public function it breaks, the cases run, what must fail."""
+
+    plant: Callable
+    target: str  # "write_kv", "decode" or "paged_attention"
+    cases: tuple[str, ...]
+    fails: tuple[str, ...]  # labels that must fail, e.g. "out[xla]"
+    because: str = ""  # a phrase the failure lines must contain (which rule caught it)
+    alone: bool = False  # `because` is the only rule that catches it
+
+    @property
+    def name(self) -> str:
+        return self.plant.__name__
+
+
+OUT, LSE = "out[xla]", "lse[xla]"
+WRITE = ("k_cache[xla]", "v_cache[xla]", OUT)
+MUTANTS = (
+    Mutant(dropped_newest_token, "decode", ("mha_h4_d64_bs16_fp32",), (OUT,)),
+    Mutant(scale_off_by_2_percent, "decode", ("mha_h4_d64_bs16_fp32",), (OUT,)),
+    Mutant(gqa_by_repeat, "decode", ("gqa4_h8_d128_bs16_bf16",), (OUT,)),
+    Mutant(window_off_by_one, "decode", ("gqa3_h6_d80_bs12_fp32_window5",), (OUT,)),
+    Mutant(soft_cap_ignored, "decode", ("gqa4_h8_d64_bs16_bf16_softcap",), (OUT,)),
+    Mutant(sinks_ignored, "decode", ("gqa4_h8_d64_bs16_bf16_sinks",), (OUT,)),
+    Mutant(alibi_sign_flipped, "decode", ("gqa4_h8_d64_bs12_fp16_alibi",), (OUT,)),
+    Mutant(k_and_v_swapped, "decode", ("gqa2_h4_d64_bs16_bf16",), (OUT,)),
+    Mutant(shifted_lse, "decode", ("gqa4_h8_d64_bs16_bf16_lse",), (LSE,)),
+    Mutant(one_nan_in_the_output, "decode", ("gqa4_h8_d128_bs16_bf16",), (OUT,),
+           "non-finite elements in non-empty rows"),
+    Mutant(empty_rows_nan, "decode", ("gqa2_h4_d64_bs16_bf16_empty",), (OUT,),
+           "zero-length rows"),
+    # Inside FlashAttention's bound and the ulp bound against torch_ref: only the bias rule sees it.
+    Mutant(one_ulp_bias_of_bf16_outputs, "decode", ("gqa4_h8_d128_bs16_bf16",), (OUT,),
+           "systematic bias", alone=True),
+    Mutant(output_in_float32, "decode", ("gqa2_h4_d64_bs16_bf16",), (OUT,), "got float32"),
+    Mutant(minus_one_slot_wraps, "write_kv", ("mha_h4_d64_bs16_fp32",), WRITE,
+           "the last slot of the cache"),
+    Mutant(dropped_write, "write_kv", ("mha_h4_d64_bs16_fp32",), WRITE, "a slot written this step"),
+    Mutant(v_written_from_k, "write_kv", ("gqa2_h4_d64_bs16_bf16",), ("v_cache[xla]", OUT)),
+    Mutant(fp8_scale_multiplied, "write_kv", ("gqa4_h8_d128_bs16_fp8",), WRITE),
+    Mutant(no_causal_mask, "paged_attention", ("gqa4_h8_d64_bs16_bf16_ragged",), (OUT,)),
+    Mutant(query_sees_the_next_position, "paged_attention", ("mha_h4_d64_bs5_fp32_ragged_all",),
+           (OUT, LSE)),
+    Mutant(padding_rows_not_zeroed, "paged_attention", ("gqa4_h8_d64_bs16_bf16_ragged",), (OUT,),
+           "zero-length rows"),
+)
+
+
+def test_the_mutants_are_distinct_and_enough():
+    """At least 12 distinct mutants, planted in each public function."""
+    assert len({m.name for m in MUTANTS}) == len(MUTANTS) >= 12
+    assert {m.target for m in MUTANTS} == {"write_kv", "decode", "paged_attention"}
+
+
+@pytest.mark.slow
+def test_the_unmutated_implementations_pass_every_selected_case(capsys):
+    """The other half of each mutant's claim: without the bug, its cases pass."""
+    cases = tuple(sorted({c for m in MUTANTS for c in m.cases}))
+    code = cli.main(_argv(cases))
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    assert f"PASSED: {len(cases)}/{len(cases)} cases passed" in stdout
+
+
+SLOW_MUTANTS = {"query_sees_the_next_position", "no_causal_mask", "one_ulp_bias_of_bf16_outputs"}
+
+
+@pytest.mark.parametrize("mutant", [pytest.param(m, id=m.name, marks=[pytest.mark.slow] * (
+    m.name in SLOW_MUTANTS)) for m in MUTANTS])
+def test_parity_catches_the_planted_bug(mutant, monkeypatch, capsys):
+    """The planted bug makes `python -m parity` exit with a mismatch, on exactly the outputs it
+    touches, by the judge's rule (not an implementation raising)."""
+    monkeypatch.setattr(pallas_paged, mutant.target, mutant.plant(REAL[mutant.target]))
+    code = cli.main(_argv(mutant.cases))
+    stdout = capsys.readouterr().out
+    assert code == cli.EXIT_MISMATCH, stdout
+    failures = [line for line in stdout.splitlines() if line.startswith("FAIL ")]
+    failed = {line.split()[2].rstrip(":") for line in failures}
+    assert failed == set(mutant.fails), stdout  # torch_ref and the untouched outputs still pass
+    assert not any("raised" in line for line in failures), stdout  # the judge caught it
+    if mutant.because:
+        assert any(mutant.because in line for line in failures), stdout
+    if mutant.alone:
+        rules = ("over the tolerance", "non-finite", "zero-length", "ulps", "systematic bias")
+        for line in failures:
+            assert [r for r in rules if r in line] == [mutant.because], line
+
+
+def test_the_bias_mutant_moves_every_element_one_ulp_up():
+    """The planted bias is what it says: the next bf16 value toward +inf, element by element."""
+    values = np.array([1.0, -1.0, 0.0, 3.0e-3, -250.0], dtype=ml_dtypes.bfloat16)
+    x = jnp.asarray(values.reshape(1, 1, -1))
+    broken = one_ulp_bias_of_bf16_outputs(lambda *args, **kw: x)
+    got = np.asarray(broken(None, None, None, None, jnp.array([5]))).reshape(-1)
+    np.testing.assert_array_equal(got.astype(np.float64)[:3], [1 + 2**-7, -1 + 2**-8, 2.0**-133])
+    step = got.view(np.uint16).astype(np.int64) - values.view(np.uint16).astype(np.int64)
+    np.testing.assert_array_equal(step, [1, -1, 1, 1, -1])  # one code up in magnitude order
+    assert (got.astype(np.float64) > values.astype(np.float64)).all()

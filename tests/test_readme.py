@@ -71,13 +71,23 @@ BLOCKS = readme_blocks()
 
 
 def test_readme_has_the_blocks():
+    """README keeps its blocks: a device mesh one and a torch_ref one among them."""
     assert len(BLOCKS) >= 4
     assert any(needs_devices(b) for b in BLOCKS) and any("torch_ref" in b for b in BLOCKS)
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)),
-                         ids=[f"block{i}-{b.strip().splitlines()[0][:30]}" for i, b in enumerate(BLOCKS)])
+def is_slow(block: str) -> bool:
+    """A block that builds a device mesh (a subprocess) or runs the ragged kernel (its interpret
+    mode compiles for most of a minute on a 2-core CPU) is in the slow set."""
+    return needs_devices(block) or "paged_attention(" in block
+
+
+@pytest.mark.parametrize("index", [
+    pytest.param(i, id=f"block{i}-{b.strip().splitlines()[0][:30]}",
+                 marks=[pytest.mark.slow] if is_slow(b) else []) for i, b in enumerate(BLOCKS)])
 def test_readme_block_runs(index):
+    """The block runs as written on the preamble's small inputs; an ``out`` it defines has the
+    query's shape."""
     block = BLOCKS[index]
     if not needs_devices(block):
         exec(compile(program(block), f"README.md python block {index}", "exec"), {})

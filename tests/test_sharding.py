@@ -35,7 +35,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pallas_paged
+from paged_inputs import bits, draw_write
 from pallas_paged import sharding
+from parity import tolerance
+from parity.layout import paged_layout
 
 NUM_DEVICES = 4
 CHILD_ENV = "PALLAS_PAGED_SHARDING_CHILD"
@@ -62,6 +65,13 @@ NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16,
              "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
 
 
+def slow_except(cases, fast):
+    """``(case, layout)`` params, those outside ``fast`` marked slow (a Pallas kernel in interpret
+    mode compiles slowly on the CPU, once per shard shape)."""
+    return [pytest.param(*c, id="-".join(c), marks=[] if c in fast else [pytest.mark.slow])
+            for c in cases]
+
+
 def make_mesh(layout: str) -> Mesh:
     shape, names, _, _ = LAYOUTS[layout]
     devices = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
@@ -73,16 +83,17 @@ def batch_shards(layout: str) -> int:
     return 1 if batch_axis is None else shape[names.index(batch_axis)]
 
 
-def bits(x) -> np.ndarray:
-    """The raw bits of an array, so that equality is bitwise (NaN, -0.0 and all)."""
-    x = np.asarray(x)
-    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.itemsize])
-
-
 def assert_within_rounding(actual, expected, what: str) -> None:
-    a, e = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
-    assert a.shape == e.shape, (what, a.shape, e.shape)
-    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-2, err_msg=what)
+    """Two reductions of the same sums in another order: within `parity.tolerance.ULP_BOUND`
+    ulps of the output's dtype (fp32 for the lse) at the array's largest magnitude."""
+    a, e = np.asarray(actual), np.asarray(expected)
+    assert a.shape == e.shape and a.dtype == e.dtype, (what, a.shape, a.dtype, e.shape, e.dtype)
+    dtype = np.dtype(e.dtype).name
+    finite = np.isfinite(e.astype(np.float64))
+    magnitude = float(np.abs(e.astype(np.float64)[finite]).max(initial=0.0))
+    ulps = tolerance.ulps_between(a, e, magnitude, dtype)
+    bound = tolerance.ULP_BOUND["lse" if what == "lse" else dtype]
+    assert ulps.max(initial=0.0) <= bound, f"{what}: {ulps.max():.1f} ulps of {dtype} apart"
 
 
 def assert_bitwise_equal(actual, expected, what: str) -> None:
@@ -139,13 +150,17 @@ def decode_problem(dtype: str, *, batch=8, num_heads=12, num_kv_heads=4, head_di
     capacity = max_blocks * block_size
     lens = rng.permutation([0, 1, block_size - 1, block_size, block_size + 1, capacity, 7, 13])
     lens = lens[:batch].astype(np.int32)
-    tables = np.concatenate([pool * blocks_per_pool + rng.permutation(blocks_per_pool)[
-        :rows_per_pool * max_blocks].reshape(rows_per_pool, max_blocks) for pool in range(POOLS)])
+    tables, valid_slots = [], []
+    for pool in range(POOLS):  # each pool's rows on its own blocks, its spare ones among them
+        pool_lens = lens[pool * rows_per_pool:(pool + 1) * rows_per_pool]
+        pages = int((-(-pool_lens // block_size)).sum())
+        layout = paged_layout(rng, pool_lens, block_size=block_size, table_width=max_blocks,
+                              spare_blocks=blocks_per_pool - pages, tail=(0,))
+        assert layout.num_blocks == blocks_per_pool
+        tables.append(layout.block_tables + pool * blocks_per_pool)
+        valid_slots.append(layout.valid_slots(block_size))
+    tables, valid_slots = np.concatenate(tables), np.concatenate(valid_slots)
     used = np.arange(max_blocks)[None, :] < -(-lens // block_size)[:, None]
-    valid_slots = np.zeros(num_blocks * block_size, bool)
-    for b in range(batch):
-        p = np.arange(lens[b])
-        valid_slots[tables[b, p // block_size] * block_size + p % block_size] = True
     garbage = rng.choice(np.array([99999, -7, num_blocks], np.int32), size=tables.shape)
     tables = np.where(used, tables, garbage).astype(np.int32)
 
@@ -210,8 +225,9 @@ DECODE_CASES = {
 }
 # Every layout for the XLA path and the full-featured kernel case; the plain kernel once (Pallas
 # interpret mode compiles slowly on CPU).
-DECODE_GRID = ([(case, layout) for case in ("xla-plain", "xla-ext", "pallas-ext-split")
-                for layout in FOUR_DEVICE_LAYOUTS] + [("pallas-plain", "tp4")])
+DECODE_GRID = slow_except([(case, layout) for case in ("xla-plain", "xla-ext", "pallas-ext-split")
+                           for layout in FOUR_DEVICE_LAYOUTS] + [("pallas-plain", "tp4")],
+                          fast=[("xla-ext", "dp2xtp2")])
 DECODE_ARGS = ("q", "k_cache", "v_cache", "block_tables", "context_lens")
 HEAD_ARRAYS = ("alibi_slopes", "sinks")
 
@@ -325,8 +341,9 @@ WRITE_CASES = {
     "pallas-bf16": ("pallas", "bfloat16", {}),
 }
 # Every layout for the plain XLA write; fp8 and the Pallas kernel on the 2-D mesh (both axes).
-WRITE_GRID = ([("xla-fp32", layout) for layout in FOUR_DEVICE_LAYOUTS]
-              + [("xla-fp8", "dp2xtp2"), ("pallas-bf16", "dp2xtp2")])
+WRITE_GRID = slow_except([("xla-fp32", layout) for layout in FOUR_DEVICE_LAYOUTS]
+                         + [("xla-fp8", "dp2xtp2"), ("pallas-bf16", "dp2xtp2")],
+                         fast=[("xla-fp32", "dp4")])
 
 
 @functools.cache
@@ -352,6 +369,7 @@ def test_write_kv_in_place_matches_single_device(case, layout):
 @pytest.mark.parametrize("case", ["pallas-bf16", "xla-fp8"])
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
 def test_write_kv_on_two_gpus(case, layout):
+    """The sharded write on two GPUs, compiled."""
     check_write(case, layout)
 
 
@@ -407,6 +425,7 @@ def write_arrays(tokens=8, num_kv_heads=4, num_blocks=24):
     ("tp4", dict(num_heads=10), r"num_heads must be a multiple of num_kv_heads"),
 ])
 def test_decode_rejects_indivisible_shapes(layout, arrays, match):
+    """Heads or batch not divisible by the mesh axis: a ValueError naming the shape."""
     mesh = make_mesh(layout)
     _, _, kv_axis, batch_axis = LAYOUTS[layout]
     fn = sharding.shard_decode(mesh, kv_axis=kv_axis, batch_axis=batch_axis, impl="xla")
@@ -421,6 +440,7 @@ def test_decode_rejects_indivisible_shapes(layout, arrays, match):
     ("dp4", dict(num_blocks=10), r"num_blocks=10 must be divisible by .*'dp' \(4\)"),
 ])
 def test_write_rejects_indivisible_shapes(layout, arrays, match):
+    """kv heads, tokens or blocks not divisible by the mesh axis: a ValueError naming them."""
     mesh = make_mesh(layout)
     _, _, kv_axis, batch_axis = LAYOUTS[layout]
     fn = sharding.shard_write_kv(mesh, kv_axis=kv_axis, batch_axis=batch_axis, impl="xla")
@@ -439,6 +459,7 @@ def test_write_rejects_indivisible_shapes(layout, arrays, match):
     (dict(impl="xla", block_size=16), r"unknown .* keyword\(s\) \['block_size'\]"),
 ])
 def test_bad_mesh_axes_and_keywords(make, axes, match):
+    """Axes the mesh lacks, one axis named twice, or unknown keywords: a ValueError."""
     with pytest.raises(ValueError, match=match):
         make(make_mesh("dp2xtp2"), **axes)
 
@@ -468,8 +489,9 @@ RAGGED_CASES = {
     "pallas-ext-split": ("pallas", "bfloat16", True,
                          pallas_paged.AttentionConfig(block_q=2, block_k=16, num_splits=2)),
 }
-RAGGED_GRID = ([("xla-ext", layout) for layout in FOUR_DEVICE_LAYOUTS]
-               + [("pallas-ext-split", "tp4"), ("pallas-ext-split", "dp2xtp2")])
+RAGGED_GRID = slow_except([("xla-ext", layout) for layout in FOUR_DEVICE_LAYOUTS]
+                          + [("pallas-ext-split", "tp4"), ("pallas-ext-split", "dp2xtp2")],
+                          fast=[("xla-ext", "dp2xtp2")])
 RAGGED_ARGS = DECODE_ARGS + ("query_start_loc",)
 
 
@@ -577,6 +599,7 @@ def test_paged_attention_matches_single_device(case, layout):
     ("tp4", dict(qsl=12), r"query_start_loc.shape=\(12,\) must be \[batch \+ n\] = \(9,\)"),
 ])
 def test_paged_attention_rejects_indivisible_shapes(layout, arrays, match):
+    """kv heads, tokens or batch not divisible by the mesh axis: a ValueError naming them."""
     mesh = make_mesh(layout)
     _, _, kv_axis, batch_axis = LAYOUTS[layout]
     tokens, qsl = arrays.pop("tokens", 32), arrays.pop("qsl", 8 + batch_shards(layout))
@@ -589,35 +612,76 @@ def test_paged_attention_rejects_indivisible_shapes(layout, arrays, match):
 
 # ------------------------------------------------------------------------------ 4-device process
 
-def _count_multi_device_tests() -> int:
-    """How many test cases carry `needs_devices` (the parametrized ones counted per case)."""
+def _is_slow(value) -> bool:
+    return any(mark.name == "slow" for mark in getattr(value, "marks", ()))
+
+
+def _count_multi_device_tests(slow: bool) -> int:
+    """How many test cases carry `needs_devices` and are (``slow``) or are not marked slow, the
+    parametrized ones counted per case."""
     marked = [obj for name, obj in globals().items()
               if name.startswith("test_") and needs_devices.mark in getattr(obj, "pytestmark", [])]
     total = 0
     for obj in marked:
-        cases = 1
+        cases = [()]
         for mark in obj.pytestmark:
             if mark.name == "parametrize":
-                cases *= len(mark.args[1])
-        total += cases
+                cases = [c + (v,) for c in cases for v in mark.args[1]]
+        total += sum(any(_is_slow(v) for v in c) == slow for c in cases)
     return total
+
+
+SUBPROCESS_RUNS = {"fast": "not gpu and not slow", "slow": "not gpu and slow"}
 
 
 @pytest.mark.skipif(IN_CHILD or HAVE_DEVICES,
                     reason="this process has the devices: the multi-device tests ran in place")
-def test_multi_device_checks_in_subprocess():
-    """Run this file in a fresh CPU process with 4 virtual devices; every test there must pass."""
+@pytest.mark.parametrize("selection", ["fast", pytest.param("slow", marks=pytest.mark.slow)])
+def test_multi_device_checks_in_subprocess(selection):
+    """Run this file's multi-device tests (the fast set, or the slow ones) in a fresh CPU
+    process with 4 virtual devices; every one of them must pass there."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={NUM_DEVICES}").strip()
     env["JAX_PLATFORMS"] = "cpu"
     env[CHILD_ENV] = "1"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
-           "-k", "not test_multi_device_checks_in_subprocess", "-m", "not gpu"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           os.path.abspath(__file__), "-k", "not test_multi_device_checks_in_subprocess and not"
+           " test_sharded_functions_take_scales_per_call", "-m", SUBPROCESS_RUNS[selection]]
     proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
     report = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, f"the 4-device run failed:\n{report}"
     passed = re.search(r"(\d+) passed", proc.stdout)
-    expected = _count_multi_device_tests()
+    expected = _count_multi_device_tests(slow=selection == "slow")
     assert passed and int(passed.group(1)) == expected, f"expected {expected} passed:\n{report}"
     assert "skipped" not in proc.stdout.splitlines()[-1], report
+
+
+def test_sharded_functions_take_scales_per_call(rng):
+    """`shard_write_kv` / `shard_decode` take the fp8 scales per call (replicated operands): one
+    compiled program for three layers' scales, the same bits as the single-device functions."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    write = pallas_paged.shard_write_kv(mesh, kv_axis="tp", impl="xla")
+    decode = pallas_paged.shard_decode(mesh, kv_axis="tp", impl="xla")
+    k_cache, v_cache, k, v, _ = draw_write(rng, num_blocks=6, block_size=4, kvh=2, head_dim=16,
+                                           num_tokens=3, num_padding=0, dtype="float8_e4m3fn")
+    arrays = dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+                  slot_mapping=np.array([1, 7, 12], np.int32))
+    q = jnp.asarray(rng.standard_normal((3, 4, 16)).astype(ml_dtypes.bfloat16))
+    tables = jnp.array([[0, 1], [2, 3], [4, 5]], jnp.int32)
+    lens = jnp.array([2, 8, 5], jnp.int32)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    for k_scale, v_scale in ((0.05, 0.5), (0.1, f32(0.25)), (f32([0.02]), 1.5)):
+        x = {name: jnp.asarray(a) for name, a in arrays.items()}
+        expected_k, expected_v = pallas_paged.write_kv(**x, k_scale=k_scale, v_scale=v_scale,
+                                                       impl="xla")
+        per_call = dict(k_scale=jnp.float32(np.reshape(k_scale, ())),  # one shape: one program
+                        v_scale=jnp.float32(np.reshape(v_scale, ())))
+        k_new, v_new = write(**{name: jnp.asarray(a) for name, a in arrays.items()}, **per_call)
+        assert_bitwise_equal(k_new, expected_k, "k_cache")
+        assert_bitwise_equal(v_new, expected_v, "v_cache")
+        out = decode(q, k_new, v_new, tables, lens, **per_call)
+        expected = pallas_paged.decode(q, expected_k, expected_v, tables, lens, k_scale=k_scale,
+                                       v_scale=v_scale, impl="xla")
+        assert_bitwise_equal(out, expected, "out")
+    assert write._cache_size() == 1 and decode._cache_size() == 1

@@ -1,8 +1,11 @@
-"""`pallas_paged.write_kv` (both impls): bit-exact against `torch_ref.write_kv`, I1, jit, donation.
+"""`pallas_paged.write_kv` with ``impl="xla"`` and ``impl="pallas"``: bit-exact against
+`torch_ref.write_kv`, I1 (padding leaves no trace), int64 slots, out-of-range slots unchecked (as
+under jit), jit and donation.
 
 fp8 caches: every token dtype and scale form, rounding ties, NaN / inf / saturation, the
 quantization inside the Pallas kernel (no token-sized XLA division, exact GPU arithmetic) and one
-compiled program for every scale.
+compiled program for every scale. The eager refusals of bad slots and scales, with torch_ref's
+messages, are in test_validation.py.
 """
 
 from __future__ import annotations
@@ -19,38 +22,16 @@ import torch
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 import pallas_paged as pp
-import torch_ref
 from pallas_paged._platform import quiet_triton_deprecation, resolve_interpret
 from pallas_paged.cache_write.api import _write_kv_jit
-from paged_inputs import NP_DTYPES, bits, launched_ops, to_torch
+from paged_inputs import IMPLS, NP_DTYPES, bits, draw_write, launched_ops, write_torch
 
-IMPLS = ("xla", "pallas")
+SLOW = pytest.mark.slow
 DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 FP8_TOKEN_DTYPES = ("float32", "bfloat16", "float16")  # what an fp8 cache takes
 # (cache dtype, token dtype): every dtype's own tokens, and every token dtype into an fp8 cache.
 WRITE_DTYPES = [(d, d) for d in DTYPES[:3]] + [("float8_e4m3fn", t) for t in FP8_TOKEN_DTYPES]
 SCALE_KINDS = ("python float", "f32[]", "f32[1]")
-
-
-def draw_write(rng, *, num_blocks=6, block_size=4, kvh=2, head_dim=32, num_tokens=9,
-               num_padding=3, dtype="float32", token_dtype=None):
-    """A cache full of random values, and tokens for distinct random slots, some of them -1.
-
-    The tokens are in ``token_dtype``, by default the cache dtype, and bf16 for fp8 caches: few
-    mantissa bits, so x / scale often lands exactly on a tie.
-    """
-    shape = (num_blocks, block_size, kvh, head_dim)
-    cache_dtype = NP_DTYPES[dtype]
-    if token_dtype is None:
-        token_dtype = "bfloat16" if dtype == "float8_e4m3fn" else dtype
-    new_dtype = NP_DTYPES[token_dtype]
-    k_cache = rng.standard_normal(shape).astype(cache_dtype)
-    v_cache = rng.standard_normal(shape).astype(cache_dtype)
-    slots = rng.choice(num_blocks * block_size, num_tokens, replace=False).astype(np.int32)
-    slots[rng.choice(num_tokens, num_padding, replace=False)] = -1
-    k = rng.standard_normal((num_tokens, kvh, head_dim)).astype(new_dtype)
-    v = rng.standard_normal((num_tokens, kvh, head_dim)).astype(new_dtype)
-    return k_cache, v_cache, k, v, slots
 
 
 def fp8_scales(dtype):
@@ -90,15 +71,23 @@ def fp8_edge_values(scale: float, dtype) -> np.ndarray:
     return np.concatenate([near, specials])
 
 
-def write_torch(k_cache, v_cache, k, v, slots, **scales):
-    kc, vc = to_torch(k_cache.copy()), to_torch(v_cache.copy())
-    torch_ref.write_kv(kc, vc, to_torch(k), to_torch(v), torch.from_numpy(slots), **scales)
-    return kc, vc
+def grid(values, fast):
+    """``(impl, *value)`` for both impls: the XLA path in every case, the kernel (interpret mode
+    compiles slowly) in the fast set only for ``fast`` values."""
+    out = []
+    for impl in IMPLS:
+        for v in values:
+            vs = v if isinstance(v, tuple) else (v,)
+            slow = impl == "pallas" and v not in fast
+            out.append(pytest.param(impl, *vs, marks=[SLOW] if slow else []))
+    return out
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype,token_dtype", WRITE_DTYPES)
+@pytest.mark.parametrize("impl,dtype,token_dtype", grid(
+    WRITE_DTYPES, fast=[("float32", "float32"), ("float8_e4m3fn", "bfloat16")]))
 def test_bit_exact_against_torch_ref(rng, impl, dtype, token_dtype):
+    """Every cache dtype with its own tokens, and every token dtype into an fp8 cache: the bits
+    torch_ref leaves, with padding tokens among the real ones."""
     k_cache, v_cache, k, v, slots = draw_write(rng, num_blocks=16, num_tokens=60, num_padding=5,
                                                dtype=dtype, token_dtype=token_dtype)
     scales = fp8_scales(dtype)
@@ -109,8 +98,7 @@ def test_bit_exact_against_torch_ref(rng, impl, dtype, token_dtype):
     np.testing.assert_array_equal(bits(got_v), bits(expected_v))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("token_dtype", FP8_TOKEN_DTYPES)
+@pytest.mark.parametrize("impl,token_dtype", grid(FP8_TOKEN_DTYPES, fast=["bfloat16"]))
 def test_fp8_saturates_and_keeps_nan(impl, token_dtype):
     """Past +-448 and +-inf saturate to +-448 (the cast alone would make them NaN); NaN stays NaN
     (a max/min clamp that drops NaN, as Triton's maxnumf does, would make it -448 or 448)."""
@@ -124,9 +112,9 @@ def test_fp8_saturates_and_keeps_nan(impl, token_dtype):
     assert np.signbit(row[7])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("token_dtype", FP8_TOKEN_DTYPES)
-@pytest.mark.parametrize("scale_kind", SCALE_KINDS)
+@pytest.mark.parametrize("impl,scale_kind,token_dtype", grid(
+    [(kind, t) for kind in SCALE_KINDS for t in FP8_TOKEN_DTYPES],
+    fast=[("python float", "bfloat16"), ("f32[1]", "bfloat16")]))
 def test_fp8_rounding_ties_bit_exact(rng, impl, token_dtype, scale_kind):
     """Tokens on, just below and just above every fp8 rounding tie of ``x / scale`` (and NaN, inf,
     zeros, saturation) store torch's bits: x * (1 / scale) or a cast that does not round to
@@ -284,7 +272,8 @@ def test_int64_slots(rng, impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_int64_slots_outside_int32_never_wrap(rng, impl):
     """``2**32 + 5`` would wrap to slot 5 and ``2**32 - 1`` to -1 (the last slot): both are dropped,
-    jitted with x64 on as eagerly with a numpy int64 array; eager validation rejects them."""
+    jitted with x64 on as eagerly (unchecked) with a numpy int64 array; the eager call's checks
+    and `validate_write_inputs` reject them."""
     k_cache, v_cache, k, v, slots = draw_write(rng, num_tokens=4, num_padding=0)
     slots64 = np.array([2**32 + 5, 2, 2**32 - 1, -(2**32) + 7], np.int64)
     expected_k, expected_v = write_torch(k_cache, v_cache, k, v, np.array([-1, 2, -1, -1], np.int32))
@@ -292,27 +281,36 @@ def test_int64_slots_outside_int32_never_wrap(rng, impl):
         args = [*map(jnp.asarray, (k_cache, v_cache, k, v, slots64))]
         assert args[4].dtype == jnp.int64
         jitted = jax.jit(functools.partial(pp.write_kv, impl=impl))(*args)
-    eager = pp.write_kv(*map(jnp.asarray, (k_cache, v_cache, k, v)), slots64, impl=impl)
+    eager = pp.write_kv(*map(jnp.asarray, (k_cache, v_cache, k, v)), slots64, impl=impl,
+                        check_values=False)
     for got_k, got_v in (jitted, eager):
         np.testing.assert_array_equal(bits(got_k), bits(expected_k))
         np.testing.assert_array_equal(bits(got_v), bits(expected_v))
     with pytest.raises(ValueError, match=r"slot_mapping\[0\]=4294967301 is out of range"):
         pp.validate_write_inputs(k_cache, v_cache, k, v, slots64)
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\]=4294967301 is out of range"):
+        pp.write_kv(*map(jnp.asarray, (k_cache, v_cache, k, v)), slots64, impl=impl)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_out_of_range_slots_are_dropped_under_jit(rng, impl):
+    """Under jax.jit (and eagerly with ``check_values=False``) slots past the cache or below -1,
+    int32's minimum included, are dropped: only the one valid token is written."""
     k_cache, v_cache, k, v, slots = draw_write(rng, num_tokens=5, num_padding=0)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     slots[:] = [num_slots, -2, 5, num_slots + 100, -(2**31)]
-    got_k, _ = pp.write_kv(*map(jnp.asarray, (k_cache, v_cache, k, v, slots)), impl=impl)
+    args = tuple(map(jnp.asarray, (k_cache, v_cache, k, v, slots)))
     expected = k_cache.copy()
     expected.reshape(num_slots, *k_cache.shape[2:])[5] = k[2]
-    np.testing.assert_array_equal(np.asarray(got_k), expected)
+    jitted, _ = jax.jit(functools.partial(pp.write_kv, impl=impl))(*args)
+    unchecked, _ = pp.write_kv(*args, impl=impl, check_values=False)
+    np.testing.assert_array_equal(bits(jitted), bits(expected))
+    np.testing.assert_array_equal(bits(unchecked), bits(expected))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_row_width_not_a_power_of_two(rng, impl):
+    """Rows of 3 kv heads x 80 (not a power of two) are copied bit-exact."""
     k_cache, v_cache, k, v, slots = draw_write(rng, kvh=3, head_dim=80, dtype="bfloat16")
     expected_k, _ = write_torch(k_cache, v_cache, k, v, slots)
     got_k, _ = pp.write_kv(*map(jnp.asarray, (k_cache, v_cache, k, v, slots)), impl=impl)
@@ -321,6 +319,7 @@ def test_row_width_not_a_power_of_two(rng, impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_no_tokens(rng, impl):
+    """No tokens: the cache is unchanged."""
     k_cache, v_cache, k, v, slots = draw_write(rng, num_tokens=0, num_padding=0)
     got_k, _ = pp.write_kv(*map(jnp.asarray, (k_cache, v_cache, k, v, slots)), impl=impl)
     np.testing.assert_array_equal(np.asarray(got_k), k_cache)
@@ -410,3 +409,22 @@ def test_fp8_quotient_correction_recovers_the_ieee_quotient(rng, scale):
     np.testing.assert_array_equal(np.isnan(got), np.isnan(exact))
     number = ~np.isnan(exact)
     np.testing.assert_array_equal(got[number].view(np.int32), exact[number].view(np.int32))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_scale_forms_store_the_same_bits(rng, impl):
+    """A python float, a 0-d and a (1,) fp32 array (torch: a float and a 0-d tensor) store the
+    same fp8 bits, bit-identical to torch (0.03 makes x / s and x * (1 / s) differ)."""
+    k_cache, v_cache, k, v, slots = draw_write(rng, num_blocks=16, num_tokens=32, num_padding=0,
+                                               kvh=2, head_dim=8, dtype="float8_e4m3fn")
+    expected = write_torch(k_cache, v_cache, k, v, slots, k_scale=0.03, v_scale=0.3)
+    torch_forms = write_torch(k_cache, v_cache, k, v, slots,
+                              k_scale=torch.tensor(np.float32(0.03)), v_scale=0.3)
+    np.testing.assert_array_equal(bits(torch_forms[0]), bits(expected[0]))
+    args = tuple(map(jnp.asarray, (k_cache, v_cache, k, v, slots)))
+    for scales in (dict(k_scale=0.03, v_scale=0.3),
+                   dict(k_scale=jnp.float32(0.03), v_scale=jnp.full((1,), 0.3, jnp.float32))):
+        got = pp.write_kv(*args, impl=impl, **scales)
+        for g, e in zip(got, expected):
+            np.testing.assert_array_equal(bits(g), bits(e))
+

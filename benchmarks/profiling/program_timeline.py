@@ -109,14 +109,15 @@ def timed_decode(q, k_cache, v_cache, block_tables, context_lens, *, config: pp.
     batch, num_heads, head_dim = q.shape
     kvh = k_cache.shape[2]
     splits = config.num_splits
-    statics = decode_triton.kernel_statics(q, k_cache, config)
+    statics = decode_triton.kernel_statics(q, k_cache, config, fused=False)
     kernel = functools.partial(
         _timed_decode_kernel, scale=1.0 / float(np.sqrt(head_dim)), num_splits=splits,
         soft_cap=None, window=None, merge_in_kernel=splits > 1, interpret=interpret, **statics)
     out_shape = decode_triton.grid_kernel_out_shapes(q, kvh, splits, merge_in_kernel=splits > 1)
     out_shape += (jax.ShapeDtypeStruct((batch, kvh, splits, STAMPS), jnp.int32),)
     operands = decode_triton.kernel_operands(q, k_cache, v_cache, block_tables, context_lens,
-                                             None, None, None, None, fp8_pairs=statics["fp8_pairs"])
+                                             None, None, None, None, fp8_pairs=statics["fp8_pairs"],
+                                             fused=False)
     arrivals = jnp.zeros((batch, kvh), jnp.int32) if splits > 1 else None
     aliases = ({len(jax.tree_util.tree_leaves(operands)): len(out_shape) - 2} if splits > 1
                else {})

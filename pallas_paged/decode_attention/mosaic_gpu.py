@@ -462,7 +462,7 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
     """Shared memory one CTA of the kernel takes for a group of ``group`` query heads: the
     scratch of `_paged_decode_kernel`, each allocation rounded up to Pallas' alignment
     (`allocated`), its barriers and `MOSAIC_OWN_SMEM_BYTES`; what the lowered kernel asks for,
-    to the byte (`tests/test_mosaic.py`). ``alibi``: with the slopes and, where the kernel
+    to the byte (`tests/test_decode_mosaic.py`). ``alibi``: with the slopes and, where the kernel
     normalizes, the sinks (the worst case of the optional operands); ``finalize``: with the
     normalized output's staging (`finalizes`), whose dtype has the compute dtype's size (both
     are 16-bit)."""
@@ -498,11 +498,12 @@ def check_supported(q, k_cache, config: MosaicDecodeConfig) -> None:
     _, block_size, kvh, _ = k_cache.shape
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(
-            f"impl='mosaic' takes bf16 or fp16 queries, got {q.dtype=} (fp32 would run the"
-            " tensor cores in TF32): use impl='pallas' or impl='xla' for fp32")
+            f"impl='mosaic' takes bf16 or fp16 queries, got q.dtype={jnp.dtype(q.dtype)} (fp32"
+            " would run the tensor cores in TF32): use impl='pallas' or impl='xla' for fp32")
     if jnp.dtype(k_cache.dtype) not in (jnp.dtype(q.dtype), FP8):
         raise ValueError(f"impl='mosaic' takes caches of q's dtype or float8_e4m3fn, got"
-                         f" {k_cache.dtype=} with {q.dtype=}")
+                         f" k_cache.dtype={jnp.dtype(k_cache.dtype)} with"
+                         f" q.dtype={jnp.dtype(q.dtype)}")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"impl='mosaic' supports head_dim in {SUPPORTED_HEAD_DIMS}, got"
                          f" {q.shape=} (head_dim={head_dim}): use impl='pallas'")

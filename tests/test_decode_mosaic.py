@@ -1,5 +1,6 @@
-"""`decode(..., impl="mosaic")`, the Mosaic GPU kernel, against the float64 oracle and `torch_ref`:
-every option, fp8 caches, split-K, GQA, and the SPEC invariants I2-I7.
+"""`decode(..., impl="mosaic")`, the Mosaic GPU kernel, against the float64 oracle within the
+tolerance rule: every option, fp8 caches, split-K, GQA, and the SPEC invariants I2-I7; the kernel's
+refusals, ``impl="auto"``'s choice, its lowering for CUDA and its shared-memory model.
 
 On a CPU the kernel runs in Mosaic GPU's interpret mode (``plgpu.InterpretGPUParams``: shared
 memory, TMA, barriers and wgmma simulated, with race detection), so the shapes are small; on a GPU
@@ -13,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -24,15 +26,14 @@ import pytest
 
 import pallas_paged as pp
 import torch_ref
-from oracle import fp8_e4m3fn_to_float, oracle_paged_attention
-from paged_inputs import (NP_DTYPES, assert_close_with_the_same_nans, launched_ops, make_paged,
-                          to_numpy)
+from paged_inputs import (NP_DTYPES, assert_close, bits, jax_options, launched_ops, make_paged,
+                          reference, repeat_mapping_truth, to_numpy, used_entries)
 from pallas_paged import _mosaic_common
-from pallas_paged._platform import resolve_interpret
+from pallas_paged._platform import resolve_interpret, xla_cpu_threads
 from pallas_paged.decode_attention import api, mosaic_gpu, mosaic_gpu_config
 from pallas_paged.decode_attention.mosaic_gpu_config import MosaicDecodeConfig
 from pallas_paged.decode_attention.shape import shape_class
-from test_decode import numpy_attention, run_torch
+from parity.tolerance import ATOL
 
 KERNEL_API = _mosaic_common.jax_version() >= _mosaic_common.MIN_JAX  # plgpu.kernel as the kernel uses it
 # Interpret mode where there is no GPU, compiled where there is (as decode's interpret=None): the
@@ -54,9 +55,20 @@ def _needs_the_kernel_api(request):
         pytest.skip(f"impl='mosaic' needs jax >= 0.11.2 (plgpu.kernel); this is jax"
                     f" {jax.__version__}")
 
-# Max abs error against the float64 oracle, outputs of order 1: the output's rounding plus the
-# softmax weights rounded to the query dtype for the P V wgmma.
-ATOL = {"bfloat16": 2e-2, "float16": 3e-3}
+SLOW = pytest.mark.slow
+
+
+def slow_but(values, *fast):
+    """``values`` as params, those not in ``fast`` marked slow: in interpret mode each runs the
+    kernel for seconds, so the fast set keeps one case of each behaviour."""
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=[] if v in fast else [SLOW])
+            for v in values]
+
+# The compiled kernel at realistic shapes is compared with impl="xla" (the oracle's float64 loops
+# take minutes there, and the rule's naive baseline as long): within XLA_ROUNDINGS roundings of
+# the output dtype (`parity.tolerance.ATOL`) at the output's scale, the output's and that of the
+# softmax weights for the P V wgmma, with as much again of room.
+XLA_ROUNDINGS = 4
 ONE_SPLIT = MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=2)
 THREE_SPLITS = MosaicDecodeConfig(block_k=64, num_splits=3, num_stages=2)
 # Two consumer warpgroups (tiles dealt alternately), with splits: 3 x 2 partial results.
@@ -77,29 +89,29 @@ def in_n(config):
 
 def mosaic(paged, config=ONE_SPLIT, **kwargs):
     """``impl="mosaic"`` on ``paged`` -> numpy float32 (and lse with ``return_lse``)."""
-    options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
-    out = pp.decode(*paged.jax(), impl="mosaic", config=config, **options)
+    out = pp.decode(*paged.jax(), impl="mosaic", config=config, **jax_options(kwargs))
     if kwargs.get("return_lse"):
         return to_numpy(out[0]).astype(np.float32), to_numpy(out[1])
     return to_numpy(out).astype(np.float32)
 
 
-def oracle(paged, **kwargs):
-    kwargs.pop("return_lse", None)
-    decoded = lambda c: (fp8_e4m3fn_to_float(c.view(np.uint8))  # noqa: E731
-                         if c.dtype.itemsize == 1 else c.astype(np.float64))
-    return oracle_paged_attention(paged.q.astype(np.float64), decoded(paged.k_cache),
-                                  decoded(paged.v_cache), paged.block_tables,
-                                  paged.context_lens, **kwargs)
-
-
 def assert_matches_oracle(paged, dtype, config=ONE_SPLIT, **kwargs):
-    out, lse = mosaic(paged, config, return_lse=True, **kwargs)
-    expected, expected_lse = oracle(paged, **kwargs)
-    assert np.isfinite(out).all(), "NaN or Inf in the output"
-    np.testing.assert_allclose(out, expected, atol=ATOL[dtype], rtol=0)
-    np.testing.assert_allclose(lse, expected_lse, atol=1e-4, rtol=1e-5)
-    return out
+    """The kernel's output and lse against the float64 truth within the tolerance rule; the
+    output as float32 numpy."""
+    kwargs.pop("return_lse", None)
+    out, lse = pp.decode(*paged.jax(), impl="mosaic", config=config, return_lse=True,
+                         **jax_options(kwargs))
+    assert np.dtype(out.dtype).name == dtype
+    assert_close(reference(*paged.arrays(), **kwargs), out, lse, what=str(config))
+    return to_numpy(out).astype(np.float32)
+
+
+def assert_near_xla(got, want, dtype: str) -> None:
+    """`XLA_ROUNDINGS` roundings of ``dtype`` at the output's scale (see there)."""
+    got, want = (to_numpy(x).astype(np.float64) for x in (got, want))
+    assert np.isfinite(got).all()
+    bound = XLA_ROUNDINGS * ATOL[dtype] * max(1.0, np.abs(want).max())
+    assert np.abs(got - want).max() <= bound, (np.abs(got - want).max(), bound)
 
 
 def every_option(rng, num_heads):
@@ -111,20 +123,23 @@ def every_option(rng, num_heads):
 
 # --- against the oracle and torch_ref ------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,config", [
+@pytest.mark.parametrize("dtype,config", slow_but([
     ("bfloat16", THREE_SPLITS), ("float16", ONE_SPLIT), ("bfloat16", TWO_CONSUMERS),
     ("float16", MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=4, num_consumers=2)),
     ("bfloat16", in_n(THREE_SPLITS)), ("float16", QN_FOUR_STAGES),
-    ("bfloat16", in_n(TWO_CONSUMERS)), ("float16", QN_THREE_CONSUMERS)])
-def test_matches_oracle_and_torch_ref(rng, dtype, config):
+    ("bfloat16", in_n(TWO_CONSUMERS)), ("float16", QN_THREE_CONSUMERS)],
+    ("bfloat16", in_n(THREE_SPLITS))))
+def test_matches_the_truth(rng, dtype, config):
+    """Lengths 0, 1, bs, bs + 1 and longer, GQA 4: one split, three (merged after the kernel),
+    two consumers, the queries in N, more stages, three consumers."""
     paged = make_paged(rng, lens=[150, 0, 1, 16, 17, 64], num_heads=8, num_kv_heads=2,
                        head_dim=64, block_size=16, dtype=dtype)
-    out = assert_matches_oracle(paged, dtype, config)
-    np.testing.assert_allclose(out, run_torch(paged), atol=ATOL[dtype], rtol=0)
+    assert_matches_oracle(paged, dtype, config)
 
 
-@pytest.mark.parametrize("queries_in_n", [False, True])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1), (12, 1)])
+@pytest.mark.parametrize("queries_in_n", slow_but([False, True], True))
+@pytest.mark.parametrize("num_heads,num_kv_heads", slow_but([(4, 4), (4, 2), (8, 2), (8, 1),
+                                                             (12, 1)], (12, 1)))
 def test_gqa_groups(rng, num_heads, num_kv_heads, queries_in_n):
     """Groups of 1, 2, 4, 8 and 12 query heads per kv head, all in one wgmma (with
     ``queries_in_n``, N = 8 or 16)."""
@@ -134,31 +149,38 @@ def test_gqa_groups(rng, num_heads, num_kv_heads, queries_in_n):
     assert_matches_oracle(paged, "bfloat16", config)
 
 
+@pytest.mark.slow
 def test_i5_gqa_is_repeat_interleave(rng):
+    """Head h reads kv head h // (H / KVH): the truth, and clearly not what `repeat` gives."""
     paged = make_paged(rng, lens=[40, 14], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=8, dtype="float16")
     out = assert_matches_oracle(paged, "float16")
     # `repeat` (h -> h % KVH) gives a clearly different answer on these inputs.
-    assert np.abs(out - numpy_attention(paged, lambda h: h % 2)).max() > 1e-2
+    assert np.abs(out - repeat_mapping_truth(*paged.arrays())).max() > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("queries_in_n", [False, True])
 @pytest.mark.parametrize("block_size", [8, 32, 128])
 def test_block_sizes(rng, block_size, queries_in_n):
     """Pages smaller than a tile (several TMA copies per tile) and larger (a slice per tile);
     lengths 1, bs - 1, bs, bs + 1, 2 bs + 3."""
     lens = [1, block_size - 1, block_size, block_size + 1, 2 * block_size + 3]
+    # fp16: a bf16 group of 4 padded to 8 rows aborts interpret mode on some jaxlib / CPU pairs
+    # (`test_interpret_mode_takes_bf16_groups_padded_in_n`)
     paged = make_paged(rng, lens=lens, num_heads=4, num_kv_heads=1, head_dim=64,
-                       block_size=block_size, dtype="bfloat16")
-    assert_matches_oracle(paged, "bfloat16", MosaicDecodeConfig(num_splits=2, num_stages=2,
-                                                                queries_in_n=queries_in_n))
+                       block_size=block_size, dtype="float16")
+    assert_matches_oracle(paged, "float16", MosaicDecodeConfig(num_splits=2, num_stages=2,
+                                                               queries_in_n=queries_in_n))
 
 
-@pytest.mark.parametrize("which,config", [("alibi_slopes", THREE_SPLITS),
-                                          ("sinks", THREE_SPLITS), ("all", THREE_SPLITS),
-                                          ("all", TWO_CONSUMERS), ("all", in_n(THREE_SPLITS)),
-                                          ("all", QN_FOUR_STAGES)])  # window, soft-cap: below
+@pytest.mark.parametrize("which,config", slow_but([
+    ("alibi_slopes", THREE_SPLITS), ("sinks", THREE_SPLITS), ("all", THREE_SPLITS),
+    ("all", TWO_CONSUMERS), ("all", in_n(THREE_SPLITS)), ("all", QN_FOUR_STAGES)],
+    ("all", in_n(THREE_SPLITS))))  # window, soft-cap: below
 def test_options(rng, which, config):
+    """ALiBi, sinks, and every option together with an explicit scale, through splits, two consumers
+    and the queries in N."""
     paged = make_paged(rng, lens=[150, 0, 1, 40, 64], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype="bfloat16")
     every = every_option(rng, 8)
@@ -166,36 +188,41 @@ def test_options(rng, which, config):
     assert_matches_oracle(paged, "bfloat16", config, scale=0.2, **options)
 
 
-@pytest.mark.parametrize("window,config", [(1, THREE_SPLITS), (17, THREE_SPLITS),
-                                           (100, THREE_SPLITS), (17, in_n(THREE_SPLITS))])
+@pytest.mark.parametrize("window,config", slow_but([(1, THREE_SPLITS), (17, THREE_SPLITS),
+                                                    (100, THREE_SPLITS), (17, in_n(THREE_SPLITS))],
+                                                   (17, THREE_SPLITS)))
 def test_sliding_window_skips_pages_before_it(rng, window, config):
     """Whole pages before the window hold NaN (they are not read); the window may start inside a
     page and inside a tile."""
     paged = make_paged(rng, lens=[200, 33, 5], num_heads=4, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype="bfloat16", fill=np.nan)
-    expected, _ = oracle(paged, sliding_window=window)
+    ref = reference(*paged.arrays(), sliding_window=window)
     for b, n in enumerate(paged.context_lens):
         for page in range(max(n - window, 0) // 16):
             paged.k_cache[paged.block_tables[b, page]] = np.nan
             paged.v_cache[paged.block_tables[b, page]] = np.nan
-    out = mosaic(paged, config, sliding_window=window)
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, expected, atol=ATOL["bfloat16"], rtol=0)
+    out, lse = pp.decode(*paged.jax(), impl="mosaic", config=config, sliding_window=window,
+                         return_lse=True)
+    assert np.isfinite(np.asarray(out).astype(np.float32)).all()
+    assert_close(ref, out, lse)
 
 
-@pytest.mark.parametrize("q_dtype,config", [("bfloat16", THREE_SPLITS), ("float16", THREE_SPLITS),
-                                            ("bfloat16", TWO_CONSUMERS),
-                                            ("bfloat16", in_n(THREE_SPLITS)),
-                                            ("float16", QN_FOUR_STAGES),
-                                            ("bfloat16", dataclasses.replace(
-                                                QN_THREE_CONSUMERS, fp8_k_in_registers=True,
-                                                fp8_v_in_producer=True))])
+FP8_K_V = dataclasses.replace(QN_THREE_CONSUMERS, fp8_k_in_registers=True, fp8_v_in_producer=True)
+
+
+@pytest.mark.parametrize("q_dtype,config", slow_but([
+    ("bfloat16", THREE_SPLITS), ("float16", THREE_SPLITS), ("bfloat16", TWO_CONSUMERS),
+    ("bfloat16", in_n(THREE_SPLITS)), ("float16", QN_FOUR_STAGES), ("bfloat16", FP8_K_V)],
+    ("bfloat16", FP8_K_V)))
 def test_fp8_cache(rng, q_dtype, config):
+    """fp8 caches read with bf16 and fp16 queries, through every layout (and the fp8 conversions in
+    registers and in the producer)."""
     paged = make_paged(rng, lens=[100, 0, 17], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype="float8_e4m3fn", q_dtype=q_dtype)
     assert_matches_oracle(paged, q_dtype, config, k_scale=0.5, v_scale=2.0)
 
 
+@pytest.mark.slow
 def test_fp8_scales_may_be_traced_operands(rng):
     """The kernel takes ``k_scale`` / ``v_scale`` as f32[] operands (one program for every scale),
     with the same result as python floats."""
@@ -220,6 +247,7 @@ def test_fp8_cache_bf16_query_beyond_fp16_range(rng):
     assert_matches_oracle(paged, "bfloat16", scale=2.0**-17 / 8, k_scale=0.5, v_scale=2.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [ONE_SPLIT, in_n(ONE_SPLIT)])
 def test_fp8_cache_every_option_nan_poisoned(rng, config):
     """fp8 NaN codes in every unused slot (e4m3fn has no Inf) with every option."""
@@ -229,6 +257,7 @@ def test_fp8_cache_every_option_nan_poisoned(rng, config):
                           **every_option(rng, 4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", ["bfloat16", "float8_e4m3fn"])
 def test_groups_read_in_boxes_of_8_rows(rng, cache):
     """Groups of 4 of 8 heads with one part each: the kernel reads the query (slopes, sinks) in
@@ -255,6 +284,7 @@ def test_groups_read_in_boxes_of_8_rows(rng, cache):
     np.testing.assert_array_equal(changed[others], clean[others])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim,cache,config", [
     # decode's own config: 64-token tiles in 2 stages past head_dim 128 (fp8: the producer
     # converts V; K takes the shared-memory path in interpret mode)
@@ -269,19 +299,18 @@ def test_groups_read_in_boxes_of_8_rows(rng, cache):
 ], ids=["d256", "d256_fp8", "d256_three_parts", "d192_bk128", "d192_queries_in_m"])
 def test_head_dims_192_and_256(rng, head_dim, cache, config):
     """head_dim 192 and 256, the M of ``O^T = V^T P^T`` in three and four wgmma rows of 64, with
-    every option, against the oracle and torch_ref."""
+    every option, against the truth."""
     dtype = "float16" if cache != "bfloat16" else "bfloat16"
     paged = make_paged(rng, lens=[150, 0, 1, 17], num_heads=8, num_kv_heads=2,
                        head_dim=head_dim, block_size=16, dtype=cache, q_dtype=dtype)
     options = every_option(rng, 8)
     if cache == "float8_e4m3fn":
         options.update(k_scale=0.5, v_scale=0.25)
-    out = assert_matches_oracle(paged, dtype, config, **options)
-    np.testing.assert_allclose(out, run_torch(paged, **options), atol=ATOL[dtype], rtol=0)
+    assert_matches_oracle(paged, dtype, config, **options)
 
 
-@pytest.mark.parametrize("config", [ONE_SPLIT, in_n(ONE_SPLIT), THREE_SPLITS,
-                                    in_n(THREE_SPLITS)], ids=str)
+@pytest.mark.parametrize("config", slow_but([ONE_SPLIT, in_n(ONE_SPLIT), THREE_SPLITS,
+                                              in_n(THREE_SPLITS)], ONE_SPLIT), ids=str)
 def test_a_nan_query_propagates_as_in_torch_ref(rng, config):
     """A NaN query head gives a NaN output row and lse, as torch_ref's softmax does, and changes
     no other head: normalized in the kernel (its queries read in boxes of 8 rows with the queries
@@ -289,14 +318,13 @@ def test_a_nan_query_propagates_as_in_torch_ref(rng, config):
     paged = make_paged(rng, lens=[40, 9, 0, 70], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype="bfloat16")
     paged.q[0, 1] = np.nan
-    out, lse = mosaic(paged, config, return_lse=True)
-    expected, expected_lse = run_torch(paged, return_lse=True)
-    assert np.isnan(out[0, 1]).all() and np.isnan(lse[0, 1])
-    assert_close_with_the_same_nans(out, expected, ATOL["bfloat16"])
-    assert_close_with_the_same_nans(lse, expected_lse, 1e-4)
+    out = assert_matches_oracle(paged, "bfloat16", config)
+    expected = torch_ref.paged_decode_attention(*paged.torch())
+    assert np.isnan(out[0, 1]).all()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(to_numpy(expected).astype(np.float32)))
 
 
-@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("value", slow_but([np.inf, -np.inf, np.nan], np.inf))
 def test_a_non_finite_value_row_reaches_only_its_own_outputs(rng, value):
     """An Inf or NaN in one valid V row of one dimension gives torch_ref's Inf or NaN in that
     dimension of the group's outputs and nothing else: through the identity wgmma that turns the
@@ -305,19 +333,19 @@ def test_a_non_finite_value_row_reaches_only_its_own_outputs(rng, value):
                        block_size=16, dtype="bfloat16")
     block = paged.block_tables[3, 1]  # sequence 3's second page: positions 16-31
     paged.v_cache[block, 5, 0, 7] = value  # position 21, kv head 0 (query heads 0-3), dim 7
-    out, lse = mosaic(paged, in_n(ONE_SPLIT), return_lse=True)
-    expected, expected_lse = run_torch(paged, return_lse=True)
+    out = assert_matches_oracle(paged, "bfloat16", in_n(ONE_SPLIT))
+    expected = to_numpy(torch_ref.paged_decode_attention(*paged.torch())).astype(np.float32)
     assert not np.isfinite(out[3, :4, 7]).any()
-    assert_close_with_the_same_nans(out, expected, ATOL["bfloat16"])
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
     np.testing.assert_array_equal(np.isinf(out), np.isinf(expected))
     np.testing.assert_array_equal(np.sign(out[np.isinf(out)]), np.sign(expected[np.isinf(out)]))
-    assert_close_with_the_same_nans(lse, expected_lse, 1e-4)
 
 
 # --- SPEC invariants -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("config", [ONE_SPLIT, in_n(ONE_SPLIT)])
+@pytest.mark.parametrize("config", slow_but([ONE_SPLIT, in_n(ONE_SPLIT)], ONE_SPLIT))
 def test_i2_table_tail_is_never_read(rng, config):
+    """Entries past ceil(n / bs) hold 2**30 or -2**31: the output keeps every bit."""
     paged = make_paged(rng, lens=[5, 0, 33, 16], num_heads=4, num_kv_heads=2, head_dim=64,
                        block_size=8, max_blocks=9, dtype="bfloat16", tail=(0,))
     clean = mosaic(paged, config)
@@ -325,39 +353,40 @@ def test_i2_table_tail_is_never_read(rng, config):
     used = np.arange(tables.shape[1])[None, :] < -(-paged.context_lens // 8)[:, None]
     for garbage in (2**30, -(2**31)):
         tables[~used] = garbage
-        np.testing.assert_array_equal(mosaic(paged.__class__(**{**vars(paged),
-                                                                 "block_tables": tables}),
-                                             config), clean)
+        np.testing.assert_array_equal(mosaic(paged.replace(block_tables=tables), config), clean)
 
 
-@pytest.mark.parametrize("config", [ONE_SPLIT, in_n(ONE_SPLIT)])
+@pytest.mark.parametrize("config", slow_but([ONE_SPLIT, in_n(ONE_SPLIT)], in_n(ONE_SPLIT)))
 def test_i3_exactly_n_rows_enter(rng, config):
-    """Huge values right after the last valid token of a partial page would dominate."""
+    """Huge values right after the last valid token of a partial page would dominate. (fp16: see
+    `test_interpret_mode_takes_bf16_groups_padded_in_n`.)"""
     paged = make_paged(rng, lens=[1, 3, 16, 17, 63], num_heads=4, num_kv_heads=1, head_dim=64,
-                       block_size=16, dtype="bfloat16", fill=1e4)
-    assert_matches_oracle(paged, "bfloat16", config)
+                       block_size=16, dtype="float16", fill=1e4)
+    assert_matches_oracle(paged, "float16", config)
 
 
+@pytest.mark.slow
 def test_i4_paged_equals_dense(rng):
+    """Shuffled physical blocks give, bit for bit, what the same sequences in contiguous blocks
+    in order give, and the truth."""
     paged = make_paged(rng, lens=[70, 16, 1], num_heads=4, num_kv_heads=2, head_dim=64,
                        block_size=8, spare_blocks=10, dtype="float16")
-    out = mosaic(paged)
-    k = np.zeros((3, 72, 2, 64), np.float32)
-    v = np.zeros((3, 72, 2, 64), np.float32)
-    for b, n in enumerate(paged.context_lens):
-        for pos in range(n):
-            block = paged.block_tables[b, pos // 8]
-            k[b, pos], v[b, pos] = paged.k_cache[block, pos % 8], paged.v_cache[block, pos % 8]
-    import torch
-    dense = torch_ref.dense_decode_attention(torch.from_numpy(paged.q.astype(np.float32)),
-                                             torch.from_numpy(k), torch.from_numpy(v),
-                                             torch.from_numpy(paged.context_lens))
-    np.testing.assert_allclose(out, dense.numpy(), atol=ATOL["float16"], rtol=0)
+    out = assert_matches_oracle(paged, "float16")
+    width = paged.block_tables.shape[1]
+    dense_tables = np.arange(3 * width, dtype=np.int32).reshape(3, width)
+    used = used_entries(paged.block_tables, paged.context_lens, 8)
+    k_dense, v_dense = (np.zeros((3 * width,) + c.shape[1:], c.dtype)
+                        for c in (paged.k_cache, paged.v_cache))
+    k_dense[dense_tables[used]] = paged.k_cache[paged.block_tables[used]]
+    v_dense[dense_tables[used]] = paged.v_cache[paged.block_tables[used]]
+    dense = paged.replace(k_cache=k_dense, v_cache=v_dense, block_tables=dense_tables)
+    np.testing.assert_array_equal(bits(mosaic(dense)), bits(out))
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
-@pytest.mark.parametrize("config", [THREE_SPLITS, in_n(THREE_SPLITS)])
-@pytest.mark.parametrize("fill", [np.nan, np.inf])
+@pytest.mark.parametrize("config", slow_but([THREE_SPLITS, in_n(THREE_SPLITS)],
+                                            in_n(THREE_SPLITS)))
+@pytest.mark.parametrize("fill", slow_but([np.nan, np.inf], np.nan))
 def test_i6_poisoned_unused_slots_change_nothing(rng, fill, config):
     """NaN/Inf in every slot that is not a valid token, split tiles and partial pages included:
     bit-identical to a clean cache."""
@@ -372,34 +401,39 @@ def test_i6_poisoned_unused_slots_change_nothing(rng, fill, config):
     np.testing.assert_array_equal(out, mosaic(clean, config))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [THREE_SPLITS, in_n(THREE_SPLITS)])
 def test_i7_zero_length_rows(rng, config):
+    """Zero-length rows give zeros and lse -inf with a sink; the others are the truth."""
     paged = make_paged(rng, lens=[0, 9, 0, 40], num_heads=4, num_kv_heads=2, head_dim=64,
                        block_size=8, dtype="bfloat16")
     sinks = rng.standard_normal(4).astype(np.float32)
     out, lse = mosaic(paged, config, return_lse=True, sinks=sinks)
     assert (out[[0, 2]] == 0).all() and np.isneginf(lse[[0, 2]]).all()
-    expected, _ = oracle(paged, sinks=sinks)
-    np.testing.assert_allclose(out[[1, 3]], expected[[1, 3]], atol=ATOL["bfloat16"], rtol=0)
+    assert_matches_oracle(paged, "bfloat16", config, sinks=sinks)
 
 
-@pytest.mark.parametrize("config", [ONE_SPLIT, in_n(ONE_SPLIT)])
+@pytest.mark.parametrize("config", slow_but([ONE_SPLIT, in_n(ONE_SPLIT)], in_n(ONE_SPLIT)))
 def test_out_of_range_ids_and_lengths_are_clamped(rng, config):
-    """Under jit a bad id inside the valid part reads a clamped block, never outside the cache;
-    lengths are clamped into [0, capacity]."""
+    """Unchecked (``check_values=False``, as under jit) a bad id inside the valid part reads a
+    clamped block, never outside the cache; lengths are clamped into [0, capacity]. Checked (an
+    eager call's default), the same values are refused before the kernel runs."""
     paged = make_paged(rng, lens=[17, 24], num_heads=4, num_kv_heads=2, head_dim=64,
                        block_size=8, dtype="bfloat16", fill=0.0)
     num_blocks = paged.k_cache.shape[0]
     tables = paged.block_tables.copy()
     tables[0, 1], tables[1, 0], tables[1, 2] = 2**30, -5, num_blocks
-    bad = paged.__class__(**{**vars(paged), "block_tables": tables,
-                             "context_lens": np.array([17, 1000], np.int32)})
-    fixed = paged.__class__(**{**vars(paged), "block_tables": np.clip(tables, 0, num_blocks - 1),
-                               "context_lens": np.array([17, 24], np.int32)})
-    np.testing.assert_array_equal(mosaic(bad, config), mosaic(fixed, config))
+    bad = paged.replace(block_tables=tables, context_lens=np.array([17, 1000], np.int32))
+    fixed = paged.replace(block_tables=np.clip(tables, 0, num_blocks - 1),
+                          context_lens=np.array([17, 24], np.int32))
+    np.testing.assert_array_equal(mosaic(bad, config, check_values=False), mosaic(fixed, config))
+    with pytest.raises(ValueError, match=r"context_lens\[1\]=1000 exceeds the table's capacity"):
+        mosaic(bad, config)
 
 
+@pytest.mark.slow
 def test_usable_inside_user_jit(rng):
+    """decode(impl="mosaic") traced inside a caller's jax.jit gives the eager result, bit for bit."""
     paged = make_paged(rng, lens=[6, 11], num_heads=4, num_kv_heads=2, head_dim=64,
                        block_size=8, dtype="bfloat16")
 
@@ -409,6 +443,37 @@ def test_usable_inside_user_jit(rng):
 
     np.testing.assert_array_equal(to_numpy(step(*paged.jax())).astype(np.float32),
                                   2 * mosaic(paged))
+
+
+BF16_PADDED_GROUP = """
+import sys
+sys.path.insert(0, "tests")
+import parity
+import numpy as np
+import pallas_paged as pp
+from paged_inputs import make_paged
+from pallas_paged.decode_attention.mosaic_gpu_config import MosaicDecodeConfig
+p = make_paged(np.random.default_rng(0), lens=[17, 3], num_heads=4, num_kv_heads=1, head_dim=64,
+               block_size=16, dtype="bfloat16", fill=0.0)
+config = MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=2, queries_in_n=True)
+out = pp.decode(*p.jax(), impl="mosaic", config=config, interpret=True)
+assert np.isfinite(np.asarray(out).astype(np.float32)).all()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not NO_GPU, reason="interpret mode on a CPU")
+@pytest.mark.xfail(strict=False, reason="jaxlib 0.12.1's XLA:CPU aborts (LLVM 'Cannot select:"
+                   " v8bf16 = X86ISD::VBROADCAST' in select_convert_fusion) on an AMD EPYC")
+def test_interpret_mode_takes_bf16_groups_padded_in_n():
+    """A bf16 query with a group of 4 padded to 8 rows, the queries in N (H=4, KVH=1), in
+    interpret mode, in a process of its own: where XLA:CPU cannot compile the interpreter's
+    program it aborts the process, which would take a test run with it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+    done = subprocess.run([sys.executable, "-c", BF16_PADDED_GROUP], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 # --- what the kernel refuses, with a ValueError naming the argument ------------------------------
@@ -461,9 +526,19 @@ def _kernel_finalizes(config, args) -> bool:
     (dict(cache_dtype=jnp.float16), r"caches of q's dtype or float8_e4m3fn|must equal k_cache"),
 ])
 def test_unsupported_inputs_raise(kwargs, match):
+    """Each shape or dtype the kernel does not take: a ValueError naming it, at trace time."""
     with pytest.raises(ValueError, match=match):
         jax.eval_shape(functools.partial(pp.decode, impl="mosaic", interpret=True),
                        *_abstract(**kwargs))
+
+
+def test_refusals_print_dtypes_as_bare_names():
+    """The kernel's refusals name dtypes as the shared validation does (``q.dtype=float32``),
+    never as their repr (``dtype('float32')``)."""
+    with pytest.raises(ValueError) as info:
+        jax.eval_shape(functools.partial(pp.decode, impl="mosaic", interpret=True),
+                       *_abstract(dtype=jnp.float32))
+    assert "q.dtype=float32" in str(info.value) and "dtype(" not in str(info.value)
 
 
 @pytest.mark.parametrize("config", [
@@ -480,6 +555,8 @@ def test_head_dim_256_configs_past_shared_memory_raise(config):
 
 @on_every_jax
 def test_interpret_mode_warns_where_the_cpu_pools_cannot_hold_every_warpgroup(monkeypatch):
+    """Interpret mode warns when NPROC gives the XLA CPU pools fewer threads than the config's
+    warpgroups (it could stall), and only then."""
     four_warpgroups = MosaicDecodeConfig(block_k=64, num_splits=1, num_stages=3, num_consumers=3)
     monkeypatch.setattr(_mosaic_common, "has_gpu", lambda: False)  # the pools' warning alone
     monkeypatch.setenv("NPROC", "2")
@@ -518,10 +595,12 @@ def test_the_xla_cpu_pools_hold_every_warpgroup_of_the_interpreted_kernel():
     names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
     most_warpgroups = 1 + mosaic_gpu_config.MAX_MOSAIC_CONSUMERS
     assert names.count("tf_XLAEigen") >= most_warpgroups, sorted(set(names))
-    assert mosaic_gpu.xla_cpu_threads() >= most_warpgroups
+    assert xla_cpu_threads() >= most_warpgroups
 
 
 def test_config_type_and_fields_are_checked():
+    """A config of the wrong type, and every bad MosaicDecodeConfig field, are refused with a message
+    naming it."""
     args = _abstract()
     with pytest.raises(ValueError, match="config must be a MosaicDecodeConfig"):
         jax.eval_shape(functools.partial(pp.decode, impl="mosaic", config=pp.DecodeConfig()),
@@ -574,12 +653,15 @@ def test_queries_in_n_pads_the_group_to_wgmma_n_and_needs_less_shared_memory():
 
 @on_every_jax
 def test_old_jax_raises(monkeypatch):
-    monkeypatch.setattr(mosaic_gpu, "jax_version", lambda: (0, 10, 2))
+    """On a jax before the kernel's API, impl="mosaic" says which jax it needs."""
+    monkeypatch.setattr(_mosaic_common, "jax_version", lambda: (0, 10, 2))
     with pytest.raises(ValueError, match=r"impl='mosaic' needs jax >= 0.11.2"):
         jax.eval_shape(functools.partial(pp.decode, impl="mosaic", interpret=True), *_abstract())
 
 
 def test_compiled_needs_an_sm90_gpu(on_gpu):
+    """Compiled, the kernel needs an sm_90 GPU (a ValueError elsewhere); interpret mode runs
+    anywhere."""
     if on_gpu:
         kind = jax.devices()[0].device_kind
         capability = float(getattr(jax.devices()[0], "compute_capability", "0"))
@@ -593,6 +675,8 @@ def test_compiled_needs_an_sm90_gpu(on_gpu):
 
 
 def test_heuristic_config_fits_and_splits_small_batches():
+    """The heuristic's configs fit the shared memory for every head_dim, batch and group (or the
+    shape is refused), and split small batches over the multiprocessors."""
     shape = pp.DecodeShape(batch=1, num_kv_heads=8, group=4, head_dim=128, block_size=16,
                            capacity=32768, cache_dtype="bfloat16")
     from pallas_paged.decode_attention.mosaic_gpu_config import get_mosaic_heuristic_config
@@ -628,9 +712,9 @@ def test_heuristic_config_fits_and_splits_small_batches():
                                                    fp8_v_in_producer=True)),
 ])
 def test_heuristic_config_at_the_measured_shapes(batch, context, dtype, expected):
-    """The configs measured fastest on the H200 (docs/BENCHMARKS.md): the queries in N with one
-    consumer; 128-token tiles for 16-bit caches where the CTAs make about one wave, and past two
-    waves in persistent CTAs; 64 for fp8 caches."""
+    """The configs measured fastest on the H200 (docs/design/decode_mosaic.md): the queries in N
+    with one consumer; 128-token tiles for 16-bit caches where the CTAs make about one wave, and
+    past two waves in persistent CTAs; 64 for fp8 caches."""
     from pallas_paged.decode_attention.mosaic_gpu_config import get_mosaic_heuristic_config
     shape = pp.DecodeShape(batch=batch, num_kv_heads=8, group=4, head_dim=128, block_size=16,
                            capacity=context, cache_dtype=dtype)
@@ -697,6 +781,8 @@ def sm90(monkeypatch):
 @on_every_jax
 def test_auto_picks_mosaic_only_where_it_can_run_compiled(mosaic_measured_faster, sm90,
                                                           monkeypatch):
+    """impl="auto" runs the Mosaic kernel where the table says so, compiled, on a jax and a shape it
+    takes; the Triton kernel everywhere else."""
     monkeypatch.setattr(_mosaic_common, "jax_version", lambda: _mosaic_common.MIN_JAX)
     q, k_cache, _, tables, _ = _abstract()
     assert auto_impl(q, k_cache, tables, interpret=False) == "mosaic"
@@ -732,9 +818,14 @@ def test_auto_compiled_needs_an_sm90_gpu(mosaic_measured_faster):
 
 @on_every_jax
 def test_auto_follows_an_explicit_config():
+    """Under impl="auto" a config's type names the kernel, with that kernel's refusals."""
     q, k_cache, _, tables, _ = _abstract()
     assert auto_impl(q, k_cache, tables, config=pp.DecodeConfig()) == "pallas"
-    assert auto_impl(q, k_cache, tables, config=ONE_SPLIT) == "mosaic"
+    if KERNEL_API:
+        assert auto_impl(q, k_cache, tables, config=ONE_SPLIT) == "mosaic"
+    else:  # the choice is the Mosaic kernel's, and so is its refusal of this jax
+        with pytest.raises(ValueError, match="needs jax >= 0.11.2"):
+            auto_impl(q, k_cache, tables, config=ONE_SPLIT)
     with pytest.raises(ValueError, match="config must be a DecodeConfig, a MosaicDecodeConfig"):
         jax.eval_shape(functools.partial(pp.decode, config=("block_k", 64)), *_abstract())
     # A Mosaic config under "auto" is impl="mosaic", with its refusals.
@@ -751,6 +842,7 @@ def test_auto_follows_an_explicit_config():
 
 @on_every_jax
 def test_unknown_impl_lists_auto():
+    """An unknown impl is refused with the list of impls, "auto" first."""
     with pytest.raises(ValueError, match=r"impl='triton' must be one of \('auto', 'pallas',"
                                          r" 'xla', 'mosaic'\)"):
         jax.eval_shape(functools.partial(pp.decode, impl="triton"), *_abstract())
@@ -773,6 +865,7 @@ def test_auto_in_interpret_mode_is_pallas_bit_for_bit(rng, monkeypatch):
 
 
 def test_auto_with_a_mosaic_config_runs_the_mosaic_kernel(rng):
+    """impl="auto" with a MosaicDecodeConfig runs the Mosaic kernel, bit for bit impl="mosaic"."""
     paged = make_paged(rng, lens=[40, 9], num_heads=4, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype="bfloat16")
     auto = pp.decode(*paged.jax(), config=ONE_SPLIT)
@@ -793,6 +886,7 @@ def test_auto_lowers_to_the_mosaic_kernel_where_the_table_picks_it(mosaic_measur
 PERSISTENT = MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True, persistent=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config,cache", [
     (PERSISTENT, "bfloat16"),                               # normalized in the kernel, rows of 8
     (dataclasses.replace(PERSISTENT, num_splits=3), "bfloat16"),         # the Mosaic merge
@@ -820,16 +914,14 @@ def test_persistent_ctas_walk_several_work_items(rng, config, cache, monkeypatch
     programs = mosaic_gpu.persistent_programs(items, smem, sm_count=1)
     assert 1 <= programs < items / 2, (programs, items)  # several items per CTA
     out, lse = mosaic(paged, config, return_lse=True, **scales, **options)
-    expected, expected_lse = oracle(paged, **scales, **options)
-    np.testing.assert_allclose(out, expected, atol=ATOL[dtype], rtol=0)
-    np.testing.assert_allclose(lse, expected_lse, atol=1e-4, rtol=1e-5)
+    assert_matches_oracle(paged, dtype, config, **scales, **options)
     per_item = dataclasses.replace(config, persistent=False)
     out_per_item, lse_per_item = mosaic(paged, per_item, return_lse=True, **scales, **options)
     if NO_GPU:  # the same operations, simulated
         np.testing.assert_array_equal(out, out_per_item)
         np.testing.assert_array_equal(lse, lse_per_item)
-    else:  # two programs compiled apart may round an fp32 value apart (on the H200: an lse by
-        # one ulp, 2026-12-03)
+    else:  # two programs compiled apart may round an fp32 value apart (an lse by one ulp, seen
+        # compiled)
         eps = float(jnp.finfo(NP_DTYPES[dtype]).eps)
         np.testing.assert_allclose(out, out_per_item, rtol=eps, atol=eps)
         np.testing.assert_allclose(lse, lse_per_item, rtol=1e-6, atol=1e-6)
@@ -931,7 +1023,9 @@ LOWERINGS = {
 }
 
 
-@pytest.mark.parametrize("case", list(LOWERINGS), ids=str)
+@pytest.mark.parametrize("case", slow_but(list(LOWERINGS), "bf16_g4_d128",
+                                          "fp8_v_in_producer_k_in_registers_every_option",
+                                          "persistent_fp8_splits_every_option"), ids=str)
 def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
     """Lowered for CUDA on any machine, impl="mosaic" is one Mosaic GPU custom call carrying our
     kernel's name; this runs Mosaic's lowering (layout inference included), which is what rejects
@@ -970,7 +1064,7 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
     assert ("_persistent" in text) == ran.persistent
 
 
-@pytest.mark.parametrize("config,cache,options,head_dim", [
+SMEM_CASES = [
     (MosaicDecodeConfig(block_k=128, num_stages=2, queries_in_n=True), None, False, 128),
     (MosaicDecodeConfig(block_k=128, num_stages=2, queries_in_n=True), None, True, 128),
     (MosaicDecodeConfig(block_k=64, num_stages=3, queries_in_n=True), None, False, 128),
@@ -987,9 +1081,14 @@ def test_lowers_to_the_mosaic_gpu_kernel(case, monkeypatch):
     (MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True, fp8_k_in_registers=True,
                         fp8_v_in_producer=True), jnp.float8_e4m3fn, True, 256),
     (MosaicDecodeConfig(block_k=64, num_stages=2), None, True, 192),
-], ids=["bk128", "bk128_options", "bk64_st3", "qm_options", "two_consumers", "splits_options",
-        "persistent_options", "fp8_vp_kr", "fp8_qm_two_consumers", "d256_options",
-        "d256_fp8_options", "d192_qm_options"])
+]
+
+
+@pytest.mark.parametrize("config,cache,options,head_dim", slow_but(
+    SMEM_CASES, SMEM_CASES[1], SMEM_CASES[7]),
+    ids=["bk128", "bk128_options", "bk64_st3", "qm_options", "two_consumers", "splits_options",
+         "persistent_options", "fp8_vp_kr", "fp8_qm_two_consumers", "d256_options",
+         "d256_fp8_options", "d192_qm_options"])
 def test_smem_bytes_is_the_shared_memory_the_kernel_asks_for(config, cache, options, head_dim,
                                                             monkeypatch):
     """`mosaic_gpu.smem_bytes`, which decides how many CTAs share a multiprocessor (the
@@ -1038,6 +1137,7 @@ def test_smem_bytes_is_the_shared_memory_the_kernel_asks_for(config, cache, opti
     (128, 1, "bfloat16", dataclasses.replace(PERSISTENT, num_stages=3), False),
 ])
 def test_the_kernel_finalizes_where_it_costs_no_wave(batch, group, cache, config, expected):
+    """`finalizes`: the kernel normalizes its one part where the staging costs no wave of CTAs."""
     compute = jnp.float16 if cache == "float8_e4m3fn" else jnp.bfloat16
     assert mosaic_gpu.finalizes(config, batch=batch, kvh=8, group=group, head_dim=128,
                                 cache_dtype=jnp.dtype(cache), compute_dtype=compute,
@@ -1045,9 +1145,19 @@ def test_the_kernel_finalizes_where_it_costs_no_wave(batch, group, cache, config
 
 
 PADDED = {"pad", "convert"}  # jnp.pad: the pad, and its fill value's conversion
+
+
+def _exp2_of_log2_ops() -> set[str]:
+    """The ops this jax lowers ``exp2(ceil(log2(x)))`` to, beside the ceil (jax 0.12.1: exp2 and
+    log2; before: exponential, log and multiplies)."""
+    text = jax.jit(lambda x: jnp.exp2(jnp.ceil(jnp.log2(x)))).lower(
+        jax.ShapeDtypeStruct((2,), jnp.float32)).as_text()
+    return launched_ops(text) - {"ceil"}
+
+
 # a bf16 query of an fp8 cache divided by its group's power of two, then padded
-FP8_QUERY = PADDED | {"abs", "reduce", "divide", "log", "ceil", "maximum", "exponential",
-                      "multiply", "broadcast_in_dim"}
+FP8_QUERY = PADDED | {"abs", "reduce", "divide", "ceil", "maximum",
+                      "broadcast_in_dim"} | _exp2_of_log2_ops()
 
 
 FP8_QN = MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True, fp8_k_in_registers=True,
@@ -1057,12 +1167,14 @@ FP8_QN = MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True, fp8_k_i
 @pytest.mark.parametrize("num_heads,kvh,config,cache,expected", [
     # one part per (sequence, kv head): the kernel normalizes; a group of 8 in the queries-in-N
     # kernel's 8 columns needs no padding, nor does a group of 4 read in boxes of 8 rows
-    (16, 2, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), None, set()),
+    pytest.param(16, 2, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), None,
+                 set(), marks=SLOW),
     (8, 2, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), None, set()),
     # 4 heads in all (a box of 8 would pass the end), and any group in the 64 rows of the
     # queries in M: the query padded
-    (4, 1, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), None, PADDED),
-    (16, 2, MosaicDecodeConfig(block_k=64, num_stages=2), None, PADDED),
+    pytest.param(4, 1, MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True), None,
+                 PADDED, marks=SLOW),
+    pytest.param(16, 2, MosaicDecodeConfig(block_k=64, num_stages=2), None, PADDED, marks=SLOW),
 ], ids=["g8_qn", "g4_qn_rows_of_8", "g4_qn_4_heads", "g8_qm"])
 def test_one_part_launches_its_kernel_without_a_merge(num_heads, kvh, config, cache, expected,
                                                      monkeypatch):
@@ -1085,7 +1197,8 @@ def test_one_part_launches_its_kernel_without_a_merge(num_heads, kvh, config, ca
     assert launched_ops(plain) == expected
 
 
-@pytest.mark.parametrize("num_heads,kvh", [(8, 2), (4, 1)], ids=["g4", "g4_4_heads"])
+@pytest.mark.parametrize("num_heads,kvh", slow_but([(8, 2), (4, 1)], (8, 2)),
+                         ids=["g4", "g4_4_heads"])
 def test_fp8_cache_one_part_is_normalized_by_xla(num_heads, kvh, monkeypatch):
     """Lowered for CUDA: with an fp8 cache read by a bf16 query, the query is divided into fp16's
     range by XLA first (a reduction) and padded (the division measured slower inside the kernel),
@@ -1106,9 +1219,10 @@ def test_fp8_cache_one_part_is_normalized_by_xla(num_heads, kvh, monkeypatch):
 @pytest.mark.parametrize("num_heads,kvh,cache,expected_merges", [
     # B=1's 16 splits, a group of 4 read in boxes of 8 rows: the kernel, then the Mosaic merge
     (32, 8, None, 1),
-    (32, 8, jnp.float8_e4m3fn, 1),   # the same for fp8 (v_scale and the sinks in the merge)
-    (64, 8, None, 1),                # a group of 8
-    (32, 32, None, 0),               # MHA: an lse row of 4 bytes, merged by XLA
+    # the same for fp8 (v_scale and the sinks in the merge)
+    pytest.param(32, 8, jnp.float8_e4m3fn, 1, marks=SLOW),
+    pytest.param(64, 8, None, 1, marks=SLOW),   # a group of 8
+    (32, 32, None, 0),                          # MHA: an lse row of 4 bytes, merged by XLA
 ], ids=["g4", "g4_fp8", "g8", "mha"])
 def test_parts_are_merged_by_the_mosaic_merge_kernel(num_heads, kvh, cache, expected_merges,
                                                      monkeypatch):
@@ -1152,11 +1266,13 @@ def test_parts_are_merged_by_the_mosaic_merge_kernel(num_heads, kvh, cache, expe
     (THREE_SPLITS, 4, False),                 # the queries in M
 ])
 def test_which_parts_the_mosaic_merge_takes(config, group, expected):
+    """`merges_in_mosaic`: several parts with the queries in N and lse rows of 16 bytes."""
     assert mosaic_gpu.merges_in_mosaic(config, group=group, head_dim=128, out_dtype=jnp.bfloat16,
                                        finalize=False) is expected
 
 
 def test_merge_chunks_divide_the_parts_and_fit():
+    """`merge_chunk`: a divisor of the parts whose copy fits 32 KiB."""
     assert mosaic_gpu.merge_chunk(16, 128, 8) == 8      # 4 KiB per part, 32 KiB per copy
     assert mosaic_gpu.merge_chunk(12, 128, 8) == 6
     assert mosaic_gpu.merge_chunk(7, 128, 8) == 7
@@ -1165,6 +1281,7 @@ def test_merge_chunks_divide_the_parts_and_fit():
     assert mosaic_gpu.merge_chunk(1, 64, 8) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_heads,kvh", [(8, 2), (16, 2)], ids=["g4_rows_of_8", "g8"])
 def test_the_merge_reads_its_parts_in_chunks(rng, num_heads, kvh, monkeypatch):
     """One part per TMA copy of the merge kernel (its chunk lowered to 4 KiB), so that three
@@ -1189,6 +1306,7 @@ def test_the_merge_reads_its_parts_in_chunks(rng, num_heads, kvh, monkeypatch):
 
 @pytest.mark.gpu
 def test_compiled_program_contains_the_mosaic_kernel(rng):
+    """On a GPU the compiled program calls the Mosaic kernel, not Triton."""
     paged = make_paged(rng, lens=[33, 7], num_heads=8, num_kv_heads=2, head_dim=128,
                        block_size=16, dtype="bfloat16")
     fn = jax.jit(functools.partial(pp.decode, impl="mosaic"))
@@ -1224,9 +1342,7 @@ def test_compiled_kernel_at_realistic_shapes(rng, batch, context, dtype, queries
                                  fp8_k_in_registers=picked.fp8_k_in_registers and queries_in_n)
     out, lse = pp.decode(*paged.jax(), impl="mosaic", config=config, return_lse=True, **scales)
     ref, ref_lse = pp.decode(*paged.jax(), impl="xla", return_lse=True, **scales)
-    out = to_numpy(out).astype(np.float32)
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, to_numpy(ref).astype(np.float32), atol=2e-2, rtol=0)
+    assert_near_xla(out, ref, "bfloat16")
     np.testing.assert_allclose(to_numpy(lse), to_numpy(ref_lse), atol=1e-3, rtol=1e-5)
 
 
@@ -1265,7 +1381,7 @@ def test_compiled_fp8_conversions_match_the_consumer_shared_memory_path(rng, q_d
         np.maximum(np.abs(out), np.abs(smem_out)), float(info.tiny))))
     assert (np.abs(out - smem_out) <= one_ulp).all(), np.abs(out - smem_out).max()
     np.testing.assert_allclose(to_numpy(lse), to_numpy(smem_lse), rtol=1e-6, atol=0)
-    np.testing.assert_allclose(out, to_numpy(ref).astype(np.float32), atol=2e-2, rtol=0)
+    assert_near_xla(out, ref, q_dtype)
 
 
 @pytest.mark.gpu
@@ -1282,8 +1398,7 @@ def test_compiled_kernel_every_option_with_splits(rng, num_consumers, num_stages
     jax_options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in options.items()}
     out = pp.decode(*paged.jax(), impl="mosaic", config=config, **jax_options)
     ref = pp.decode(*paged.jax(), impl="xla", **jax_options)
-    np.testing.assert_allclose(to_numpy(out).astype(np.float32),
-                               to_numpy(ref).astype(np.float32), atol=2e-2, rtol=0)
+    assert_near_xla(out, ref, "bfloat16")
 
 
 @pytest.mark.gpu
@@ -1305,6 +1420,5 @@ def test_compiled_queries_in_n_with_several_consumers_do_not_race(rng, num_consu
                                     **scales))
     for _ in range(8):
         out, lse = run(*paged.jax())
-        np.testing.assert_allclose(to_numpy(out).astype(np.float32),
-                                   to_numpy(ref).astype(np.float32), atol=2e-2, rtol=0)
+        assert_near_xla(out, ref, "bfloat16")
         np.testing.assert_allclose(to_numpy(lse), to_numpy(ref_lse), atol=1e-4, rtol=1e-5)
