@@ -1,11 +1,14 @@
 """Ragged paged attention (prefill, chunked prefill, mixed batches, speculative and plain decode)
 against the bf16 matmul rate and the copy bandwidth measured in the same run.
 
-    python -m benchmarks.ragged [--shapes NAMES|all] [--impls pallas,xla] [--json F] [--smoke]
+    python -m benchmarks.ragged [--shapes NAMES|all] [--impls pallas,mosaic,xla] [--json F] [--smoke]
 
 Per shape (`benchmarks.shapes.RAGGED_SHAPES`), each implementation with the config
-``paged_attention`` picks (`select_kernel`); a shape of one new token per sequence also runs
-through ``decode(impl="pallas")`` on the same inputs (row ``decode``).
+``paged_attention`` picks (`select_kernel`): ``pallas`` (the Triton kernel), ``mosaic`` (the
+Mosaic GPU kernel; skipped, with the kernel's own reason, where it cannot run the shape),
+``xla``, and (not by default) ``pallas_fused`` / ``mosaic_fused``, `paged_attention_fused` on
+the same K/V in one fused cache; a shape of one new token per sequence also runs through
+``decode(impl="pallas")`` on the same inputs (row ``decode``).
 
 Figures, from the steady time of one call (``us``, `benchmarks.timing.measure`, in loop mode as
 `benchmarks.decode` times): ``TFLOP/s``, the shape's causal FLOPs (``4 * head_dim * num_heads``
@@ -30,8 +33,8 @@ from benchmarks.timing import loop_reps, per_call, straight_line
 from pallas_paged import decode, paged_attention, paged_attention_fused
 from pallas_paged.ragged_attention.api import select_kernel
 
-IMPLS = ("pallas", "xla", "pallas_fused")
-DEFAULT_IMPLS = ("pallas", "xla")
+IMPLS = ("pallas", "mosaic", "xla", "pallas_fused", "mosaic_fused")
+DEFAULT_IMPLS = ("pallas", "mosaic", "xla")
 COLUMNS = [("us", "median_us", ".1f"), ("TFLOP/s", "tflops", ".1f"), ("of peak", "of_peak", ".3f"),
            ("TB/s", "tbps", ".3f"), ("of copy", "of_copy", ".3f"), ("roofline", "roofline", ".3f"),
            ("vs decode", "vs_decode", ".3f")]
@@ -43,9 +46,10 @@ def call(impl: str, config, shape, interpret: bool):
     if impl == "decode":
         return lambda q, t, k, v, n, qsl: decode(q, k, v, t, n, impl="pallas",
                                                  interpret=interpret, **shape.scales)
-    if impl == "pallas_fused":  # k: the fused cache [blocks, bs, 2 * KVH, D]
+    if impl.endswith("_fused"):  # k: the fused cache [blocks, bs, 2 * KVH, D]
         return lambda q, t, kv, _, n, qsl: paged_attention_fused(
-            q, kv, t, n, qsl, impl="pallas", config=config, interpret=interpret, **shape.scales)
+            q, kv, t, n, qsl, impl=impl.removesuffix("_fused"), config=config,
+            interpret=interpret, **shape.scales)
     return lambda q, t, k, v, n, qsl: paged_attention(q, k, v, t, n, qsl, impl=impl,
                                                       config=config, interpret=interpret,
                                                       **shape.scales)
@@ -63,15 +67,21 @@ def bench_shape(shape, impls, s, interpret: bool, ceilings: dict, smoke: bool) -
     qs = per_call(inputs.q, copies, reps)  # every call its own query rows [T, H, D]
     tables = [inputs.block_tables[i % copies] for i in range(reps)]  # i32[B, max_blocks] each
     shared = (inputs.k_cache, inputs.v_cache, inputs.context_lens, inputs.query_start_loc)
-    kv = fuse_caches(inputs.k_cache, inputs.v_cache) if "pallas_fused" in impls else None
+    kv = (fuse_caches(inputs.k_cache, inputs.v_cache)
+          if any(impl.endswith("_fused") for impl in impls) else None)
     rows = []
     for impl in list(impls) + (["decode"] if shape.is_decode else []):
-        config = None if impl == "decode" else select_kernel(
-            *shape.abstract_args()[:3], impl=impl.removesuffix("_fused"),
-            config=None)[1]  # decode: its own pick
-        row = {"shape": shape.name, "impl": impl, "config": _cli.config_label(config), **work}
+        row = {"shape": shape.name, "impl": impl, **work}
+        try:
+            config = None if impl == "decode" else select_kernel(
+                *shape.abstract_args()[:3], impl=impl.removesuffix("_fused"),
+                config=None, interpret=interpret)[1]  # decode: its own pick
+        except ValueError as e:  # the Mosaic kernel's refusal, in its own words
+            rows.append({**row, "config": "-", "status": "skipped", "reason": str(e)})
+            continue
+        row["config"] = _cli.config_label(config)
         fn = straight_line(call(impl, config, shape, interpret), reps)
-        caches = (kv, kv, *shared[2:]) if impl == "pallas_fused" else shared
+        caches = (kv, kv, *shared[2:]) if impl.endswith("_fused") else shared
         row.update(_cli.checked_timing(fn, (qs, tables, *caches), reps, s, reference))
         if _cli.timed(row):
             t = row["median_us"] * 1e-6

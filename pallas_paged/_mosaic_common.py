@@ -15,6 +15,11 @@ MIN_JAX = (0, 11, 2)  # plgpu.kernel with out_type / scratch_types and warpgroup
 MAX_SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on sm_90
 SMEM_PER_SM = 228 * 1024  # shared memory of an sm_90 multiprocessor
 SMEM_RESERVED_PER_CTA = 1024  # of it, what the driver reserves for each resident CTA
+# A kernel's producer warpgroup, which only issues copies, gives its registers to the consumer
+# warpgroups (``setmaxnreg``, `consumer_registers`), whose accumulators and scores live in
+# registers.
+PRODUCER_REGISTERS = 40
+REGISTERS_PER_SM = 64 * 1024
 
 
 # Pallas places each scoped shared-memory allocation at a multiple of this many bytes (its
@@ -118,3 +123,26 @@ def mma_smem(plgpu, shape, dtype, swizzle: int | None = None):
     swizzle = swizzle or mma_swizzle(shape[-1] * itemsize)
     return plgpu.SMEM(shape, dtype, transforms=(
         plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
+
+
+def consumer_registers(num_consumers: int) -> int:
+    """Registers per thread each of several consumer warpgroups takes (``setmaxnreg``): the CTA's
+    launch share (the register file over its ``1 + num_consumers`` warpgroups, a multiple of 8)
+    less the producer's `PRODUCER_REGISTERS`, split among the consumers (2: 232, 3: 152, 4: 104)."""
+    warpgroups = 1 + num_consumers
+    launch = REGISTERS_PER_SM // (128 * warpgroups) // 8 * 8
+    return min((launch * warpgroups - PRODUCER_REGISTERS) // num_consumers // 8 * 8, 256)
+
+
+def with_optional_operands(body, num_fixed: int, optional: dict):
+    """A kernel body over ``num_fixed`` refs, then only the present ones (not None) of the
+    ``optional`` operands (in its order), then the outputs, for ``body`` that takes every
+    optional ref (None where absent). Returns ``(kernel_body, the present operands)``."""
+    present = [name for name, x in optional.items() if x is not None]
+
+    def kernel_body(*refs):
+        given = dict(zip(present, refs[num_fixed:]))
+        body(*refs[:num_fixed], *(given.get(name) for name in optional),
+             *refs[num_fixed + len(present):])
+
+    return kernel_body, [optional[name] for name in present]

@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--impl", action="append", default=None,
                         choices=("xla", "pallas", "mosaic"),
                         help="JAX implementation(s) to check (default: xla and pallas; mosaic runs"
-                             " the decode cases its kernel takes, jax >= 0.11.2); torch_ref"
+                             " the cases its kernels take, jax >= 0.11.2); torch_ref"
                              " always runs")
     parser.add_argument("--seed", type=parse_seed, default=None,
                         help="replace every case's seed with this one (an integer >= 0)")

@@ -374,21 +374,23 @@ def case_outputs(case: Case, device: str = "cpu", *, impls: Sequence[str] = IMPL
 def mosaic_refusal(case: Case) -> str | None:
     """Why ``impl="mosaic"`` cannot run ``case`` (its ValueError), or None when it can.
 
-    The Mosaic GPU kernel is decode-only and takes bf16/fp16 queries, head_dim 64, 128, 192 or
-    256 and block sizes that are multiples of 8; a sweep with ``--impl mosaic`` runs the cases it
-    takes.
+    The Mosaic GPU kernels take bf16/fp16 queries, head_dim 64, 128, 192 or 256 and block sizes
+    that are multiples of 8; the ragged one takes 16-bit caches only. A sweep with ``--impl
+    mosaic`` runs the cases they take. Only the shapes and dtypes matter (the token count of a
+    ragged case does not change the answer: one token stands for it).
     """
     import jax
-    from pallas_paged.decode_attention.api import select_kernel
+    from pallas_paged.decode_attention.api import select_kernel as select_decode
+    from pallas_paged.ragged_attention.api import select_kernel as select_ragged
 
-    if case.ragged:
-        return "impl='mosaic' is decode only (ragged paged_attention runs impl='pallas' or 'xla')"
-    q = jax.ShapeDtypeStruct((case.batch, case.num_heads, case.head_dim), case.q_dtype)
+    rows = 1 if case.ragged else case.batch
+    q = jax.ShapeDtypeStruct((rows, case.num_heads, case.head_dim), case.q_dtype)
     cache = jax.ShapeDtypeStruct((1, case.block_size, case.num_kv_heads, case.head_dim),
                                  case.dtype)
     tables = jax.ShapeDtypeStruct((case.batch, case.table_width), "int32")
+    select = select_ragged if case.ragged else select_decode
     try:  # interpret=True: no device check here
-        select_kernel(q, cache, tables, impl="mosaic", config=None, interpret=True)
+        select(q, cache, tables, impl="mosaic", config=None, interpret=True)
     except ValueError as e:
         return str(e)
     return None

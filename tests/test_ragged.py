@@ -24,7 +24,8 @@ import torch_ref
 from paged_inputs import (FP8, IMPLS, assert_close, assert_within_ulps, bits, jax_options,
                           launched_ops, lower_for_cuda, make_paged, make_ragged, reference,
                           to_numpy, torch_options)
-from pallas_paged.ragged_attention.pallas_triton import interleave_short_programs, kv_tile_plan
+from pallas_paged.ragged_attention.pallas_triton import interleave_short_programs
+from pallas_paged.ragged_attention.tiles import kv_tile_plan
 
 A = pp.AttentionConfig
 SLOW = pytest.mark.slow

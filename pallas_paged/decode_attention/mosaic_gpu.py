@@ -94,8 +94,10 @@ from jax.experimental import pallas as pl
 from pallas_paged._attention_common import (divides, finite_total_max, kv_head_rows,
                                             merge_splits, num_kv_heads, tile_range)
 from pallas_paged._fp8 import kernel_scale_operands
-from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, allocated, check_device, check_jax,
-                                         ctas_per_sm, import_plgpu, mma_smem, mma_swizzle)
+from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, PRODUCER_REGISTERS, allocated,
+                                         check_device, check_jax, consumer_registers,
+                                         ctas_per_sm, import_plgpu, mma_smem, mma_swizzle,
+                                         with_optional_operands)
 from pallas_paged._platform import sm_count
 from pallas_paged._triton_common import FP16_SAFE_MAX, dot_dtype
 from pallas_paged.decode_attention.mosaic_gpu_config import MosaicDecodeConfig
@@ -108,10 +110,6 @@ FP8 = jnp.dtype(jnp.float8_e4m3fn)
 KERNEL_NAME = "pallas_paged_decode_mosaic"
 MERGE_KERNEL_NAME = "pallas_paged_merge_mosaic"
 PRODUCER = 0  # the producer warpgroup; consumers are warpgroups 1 .. num_consumers
-# With several consumers the producer gives its registers to them (`consumer_registers`), whose
-# accumulators and scores live in registers.
-PRODUCER_REGISTERS = 40
-REGISTERS_PER_SM = 64 * 1024
 # The shared memory Mosaic GPU places at the end of the scoped allocations for a reduction across
 # the warps of a warpgroup (its CompilerParams.reduction_scratch_bytes, passed explicitly). Every
 # warpgroup's reductions at one point of the program use the same bytes, so the consumers after
@@ -132,15 +130,6 @@ def v_converted_stages(num_consumers: int) -> int:
     for one consumer; one per consumer for several, so that consumer ``c`` (the split's tiles
     ``c, c + C, ...``) alone waits on slot ``c``'s barriers."""
     return max(2, num_consumers)
-
-
-def consumer_registers(num_consumers: int) -> int:
-    """Registers per thread each of several consumer warpgroups takes (``setmaxnreg``): the CTA's
-    launch share (the register file over its ``1 + num_consumers`` warpgroups, a multiple of 8)
-    less the producer's `PRODUCER_REGISTERS`, split among the consumers (2: 232, 3: 152, 4: 104)."""
-    warpgroups = 1 + num_consumers
-    launch = REGISTERS_PER_SM // (128 * warpgroups) // 8 * 8
-    return min((launch * warpgroups - PRODUCER_REGISTERS) // num_consumers // 8 * 8, 256)
 
 
 def reduction_pads(num_consumers: int, queries_in_n: bool) -> int:
@@ -247,20 +236,6 @@ def per_query_source(ref, h, box: QueryBox, rows_of_8: bool):
     if rows_of_8:
         return ref.at[pl.ds(pl.multiple_of(box.head, MMA_COLUMNS), MMA_COLUMNS)]
     return ref.at[h]
-
-
-def with_optional_operands(body, num_fixed: int, optional: dict):
-    """A kernel body over ``num_fixed`` refs, then only the present ones (not None) of the
-    ``optional`` operands (in its order), then the outputs, for ``body`` that takes every
-    optional ref (None where absent). Returns ``(kernel_body, the present operands)``."""
-    present = [name for name, x in optional.items() if x is not None]
-
-    def kernel_body(*refs):
-        given = dict(zip(present, refs[num_fixed:]))
-        body(*refs[:num_fixed], *(given.get(name) for name in optional),
-             *refs[num_fixed + len(present):])
-
-    return kernel_body, [optional[name] for name in present]
 
 
 MERGE_CHUNK_BYTES = 32 * 1024  # the parts' O^T one TMA of the merge kernel brings in

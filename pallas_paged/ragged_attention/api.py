@@ -1,8 +1,9 @@
 """Ragged paged attention, the public function: validate, pick the kernel and config, call it.
 
 Implementations: ``impl="pallas"`` (``pallas_triton.py``, a Pallas kernel lowered through Triton on
-GPU, interpret mode elsewhere) and ``impl="xla"`` (``xla.py``, plain jnp). `select_kernel` makes
-every choice of a call, once. `torch_ref` defines the semantics (SPEC.md, "Ragged paged
+GPU, interpret mode elsewhere), ``impl="mosaic"`` (``mosaic_gpu.py``, a Mosaic GPU kernel for
+Hopper and later) and ``impl="xla"`` (``xla.py``, plain jnp). `select_kernel` makes every choice
+of a call, once. `torch_ref` defines the semantics (SPEC.md, "Ragged paged
 attention").
 """
 
@@ -19,13 +20,16 @@ from pallas_paged._attention_common import split_kv_cache
 from pallas_paged._platform import (device_kind, resolve_interpret, sm_count,
                                     without_triton_deprecation)
 from pallas_paged._fp8 import scale_operand
-from pallas_paged.ragged_attention import pallas_triton_config
+from pallas_paged._mosaic_common import warn_if_interpret_may_stall
+from pallas_paged.ragged_attention import mosaic_gpu, mosaic_gpu_config, pallas_triton_config
+from pallas_paged.ragged_attention.mosaic_gpu import paged_attention_mosaic
+from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfig
 from pallas_paged.ragged_attention.pallas_triton import paged_attention_pallas
 from pallas_paged.ragged_attention.pallas_triton_config import AttentionConfig
 from pallas_paged.ragged_attention.shape import AttentionShape
 from pallas_paged.ragged_attention.xla import paged_attention_xla
 
-ATTENTION_IMPLS = ("pallas", "xla")
+ATTENTION_IMPLS = ("pallas", "xla", "mosaic")
 
 
 def attention_shape(q, k_cache, block_tables) -> AttentionShape:
@@ -38,18 +42,27 @@ def attention_shape(q, k_cache, block_tables) -> AttentionShape:
                           cache_dtype=jnp.dtype(k_cache.dtype).name)
 
 
-def select_kernel(q, k_cache, block_tables, *, impl: str, config):
+def select_kernel(q, k_cache, block_tables, *, impl: str, config, interpret: bool):
     """What a `paged_attention` call runs: ``(impl, config)``, ``config`` the kernel's (the given
     one, else the tuned table's entry for the call's shape class on this device kind, else the
-    heuristic's: `pallas_triton_config.lookup`), None for ``"xla"``.
+    heuristic's: `pallas_triton_config.lookup`, `mosaic_gpu_config.lookup_mosaic`), None for
+    ``"xla"``. Reads only ``.shape`` and ``.dtype`` of the arrays (it runs at trace time).
 
     Raises:
-      ValueError: a ``config`` of the wrong type for ``impl``.
+      ValueError: a ``config`` of the wrong type for ``impl``, or ``impl="mosaic"`` where the
+        Mosaic kernel cannot run the call (the message says why and what to use instead).
     """
     if impl == "xla":
         return "xla", None
-    _validation.check_config_type(config, AttentionConfig, impl)
     shape = attention_shape(q, k_cache, block_tables)
+    if impl == "mosaic":
+        _validation.check_config_type(config, MosaicAttentionConfig, impl)
+        config = config or mosaic_gpu_config.lookup_mosaic(shape, device_kind())
+        reason = mosaic_gpu.refusal(q, k_cache, config, interpret)
+        if reason is not None:
+            raise ValueError(reason)
+        return "mosaic", config
+    _validation.check_config_type(config, AttentionConfig, impl)
     return "pallas", config or pallas_triton_config.lookup(shape, device_kind(), sm_count())
 
 
@@ -72,7 +85,7 @@ def paged_attention(
     return_lse: bool = False,
     impl: str = "pallas",
     interpret: bool | None = None,
-    config: AttentionConfig | None = None,
+    config: AttentionConfig | MosaicAttentionConfig | None = None,
     check_values: bool = True,
 ):
     """Ragged paged attention: each sequence's new tokens, causally, over its paged K/V.
@@ -117,11 +130,14 @@ def paged_attention(
       k_scale, v_scale: per-tensor dequantization scales of an fp8 cache: python floats or
         float32 arrays of shape ``()`` / ``(1,)`` (operands: one program serves every scale).
       return_lse: also return ``lse f32[num_tokens, num_heads]`` (``-inf`` for padding rows).
-      impl: ``"pallas"`` (the kernel) or ``"xla"`` (plain jnp, for small problems: it holds
-        ``f32[num_tokens, max_blocks * block_size, num_kv_heads, head_dim]`` for K and for V).
+      impl: ``"pallas"`` (the Triton kernel), ``"mosaic"`` (the Mosaic GPU kernel: Hopper, jax
+        >= 0.11.2, 16-bit caches; `mosaic_gpu.check_supported` says what else) or ``"xla"``
+        (plain jnp, for small problems: it holds ``f32[num_tokens, max_blocks * block_size,
+        num_kv_heads, head_dim]`` for K and for V).
       interpret: Pallas interpret mode; None means exactly when there is no GPU backend.
-      config: kernel knobs (`AttentionConfig`); None takes the tuned table's entry for this shape
-        class, or the heuristic.
+      config: kernel knobs (`AttentionConfig` for ``"pallas"``, `MosaicAttentionConfig` for
+        ``"mosaic"``); None takes the tuned table's entry for this shape class, or the
+        heuristic.
       check_values: when the arrays are concrete (an eager call, not under ``jax.jit``), check
         their values as torch_ref does (`validate_attention_inputs`), which fetches them to the
         host. False skips that for a hot eager loop; traced calls never check values.
@@ -167,7 +183,7 @@ def paged_attention_fused(
     return_lse: bool = False,
     impl: str = "pallas",
     interpret: bool | None = None,
-    config: AttentionConfig | None = None,
+    config: AttentionConfig | MosaicAttentionConfig | None = None,
     check_values: bool = True,
 ):
     """`paged_attention` over a fused cache: the JAX serving engines' layout (SPEC.md, "Fused KV
@@ -208,7 +224,11 @@ def _paged_attention_call(q, caches: tuple, block_tables, context_lens, query_st
                                                 k_scale, v_scale):
         _validation.check_attention_values(q, k_half, block_tables, context_lens,
                                            query_start_loc, k_scale, v_scale)
-    impl, config = select_kernel(q, k_half, block_tables, impl=impl, config=config)
+    interpret = resolve_interpret(interpret)
+    impl, config = select_kernel(q, k_half, block_tables, impl=impl, config=config,
+                                 interpret=interpret)
+    if impl == "mosaic":
+        warn_if_interpret_may_stall(interpret, config.num_consumers + 1, fewer="num_consumers")
     num_tokens = q.shape[0]
     num_blocks, block_size = k_half.shape[:2]
     capacity = block_tables.shape[1] * block_size
@@ -221,7 +241,7 @@ def _paged_attention_call(q, caches: tuple, block_tables, context_lens, query_st
         _validation.host_clamp_index(query_start_loc, 0, num_tokens), alibi_slopes, sinks,
         scale_operand(k_scale), scale_operand(v_scale), scale=scale,
         logits_soft_cap=logits_soft_cap, sliding_window=sliding_window, impl=impl,
-        interpret=resolve_interpret(interpret), config=config)
+        interpret=interpret, config=config)
     return (out, lse) if return_lse else out
 
 
@@ -257,5 +277,9 @@ def _paged_attention_jit(q, caches, block_tables, context_lens, query_start_loc,
     if impl == "xla":
         return paged_attention_xla(q, *(split_kv_cache(k_cache) if fused else caches), tables,
                                    lens, starts, **options)
+    if impl == "mosaic":  # 16-bit caches only (`mosaic_gpu.check_supported`): no fp8 scales
+        del options["k_scale"], options["v_scale"]
+        return paged_attention_mosaic(q, k_cache, v_cache, tables, lens, starts, config=config,
+                                      interpret=interpret, fused=fused, **options)
     return paged_attention_pallas(q, k_cache, v_cache, tables, lens, starts, config=config,
                                   interpret=interpret, fused=fused, **options)

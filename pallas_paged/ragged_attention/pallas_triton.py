@@ -47,13 +47,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_paged._attention_common import divides, kv_head_rows, num_kv_heads, split_share
+from pallas_paged._attention_common import divides, kv_head_rows, num_kv_heads
 from pallas_paged._fp8 import kernel_scale_operands
 from pallas_paged._platform import next_power_of_2
 from pallas_paged._triton_common import (column_parts, dot_dtype, dot_nn, dot_nt, load_kv_parts,
                                          merge_splits_pallas, query_for_dots, slot_major,
                                          softmax_exp, uses_fp8_pairs, with_sink)
 from pallas_paged.ragged_attention.pallas_triton_config import AttentionConfig, tile_dot_rows
+from pallas_paged.ragged_attention.tiles import kv_tile_plan
 
 
 def find_query_tile(program, qsl_ref, *, batch: int, num_tokens: int, block_q: int):
@@ -88,47 +89,6 @@ def find_query_tile(program, qsl_ref, *, batch: int, num_tokens: int, block_q: i
     first = jnp.sum(jnp.where(index == b, starts, 0))
     end = jnp.where(b < batch, jnp.sum(jnp.where(index == b + 1, starts, 0)), num_tokens)
     return b, program - (first // block_q + gap * b), first, end
-
-
-def kv_tile_plan(first_pos, tile_queries, n, split, *, block_k: int, num_splits: int,
-                 window: int | None):
-    """The K/V tiles one program walks, and where they need masks.
-
-    The tile's queries sit at positions ``first_pos .. first_pos + tile_queries - 1`` (of a
-    sequence of ``n`` tokens). Some query sees the positions ``[key_lo, key_hi)``: from the window
-    start of the first query (0 without a window) to the last query's position, inclusive. Every
-    query sees ``[shared_lo, shared_hi)``: from the window start of the last query to the first
-    query's position. Tiles of ``block_k`` positions wholly inside the shared range need no mask.
-    The tiles ``key_lo // block_k .. ceil(key_hi / block_k) - 1`` are split into ``num_splits``
-    balanced contiguous shares (`split_share`); this program (split ``split``) walks its share,
-    in three ranges: masked tiles before the shared ones (a window's edge), unmasked shared
-    tiles, masked tiles after them (the diagonal). Nothing past ``key_hi`` and no tile wholly
-    before ``key_lo`` is visited. A program with no queries (``tile_queries == 0``) visits
-    nothing.
-
-    Returns:
-      ``(key_lo, key_hi, shared_lo, shared_hi, loops)``: int32 scalars and three ``(lo, hi)``
-      tile ranges with ``lo <= hi``.
-    """
-    last_pos = first_pos + tile_queries - 1
-    key_lo = jnp.int32(0) if window is None else jnp.maximum(first_pos - window + 1, 0)
-    key_hi = jnp.where(tile_queries > 0, jnp.clip(last_pos + 1, 0, n), 0)
-    key_hi = jnp.maximum(key_hi, key_lo)
-    shared_lo = jnp.int32(0) if window is None else jnp.maximum(last_pos - window + 1, 0)
-    shared_hi = jnp.clip(first_pos + 1, 0, n)
-    tile_lo = key_lo // block_k
-    tile_hi = jnp.where(key_hi > key_lo, (key_hi + block_k - 1) // block_k, tile_lo)
-    full_lo = jnp.clip((shared_lo + block_k - 1) // block_k, tile_lo, tile_hi)
-    full_hi = jnp.clip(shared_hi // block_k, full_lo, tile_hi)
-    lo, hi = tile_lo, tile_hi
-    if num_splits > 1:
-        lo, hi = split_share(tile_lo, tile_hi, split, num_splits)
-    edge = (lo, jnp.maximum(jnp.minimum(hi, full_lo), lo))
-    full_start = jnp.maximum(lo, full_lo)
-    full = (full_start, jnp.maximum(jnp.minimum(hi, full_hi), full_start))
-    diagonal_start = jnp.maximum(lo, full_hi)
-    diagonal = (diagonal_start, jnp.maximum(hi, diagonal_start))
-    return key_lo, key_hi, shared_lo, shared_hi, (edge, full, diagonal)
 
 
 def interleave_short_programs(program, *, long_programs: int, batch: int):

@@ -1,0 +1,575 @@
+"""Ragged paged attention, the Mosaic GPU kernel: ``paged_attention(..., impl="mosaic")``.
+
+The structure of FlashAttention-3's forward kernel (warp-specialized producer, ping-ponging
+consumers, wgmma with fp32 accumulators), adapted to pages and ragged batches, for Hopper and
+later (``plgpu.kernel``). Read top to bottom (the public function is
+`pallas_paged.ragged_attention.api.paged_attention`):
+
+1. `work_list` (XLA, before the kernel) lists the query tiles: each sequence's new tokens in
+   tiles of `tokens_per_cta` tokens, then the padding rows past ``query_start_loc[batch]`` as
+   the tiles of a pseudo-sequence ``batch`` (no keys: its rows are written as zeros), sorted by
+   the number of K/V positions they attend, longest first, so the GPU's block scheduler starts
+   the long tiles first and a ragged batch leaves no long tail.
+2. `_ragged_attention_kernel` works on refs only. One CTA owns one (query tile, kv head, head
+   block) and has ``num_consumers`` consumer warpgroups (1 or 2) and a producer warpgroup.
+   - A consumer's 64 wgmma rows are 64 tokens of one query head. With two consumers they take
+     two heads of the kv head's group (`heads_per_cta`; groups of even size) over the same 64
+     tokens, else two consecutive 64-token halves of one head: either way they attend the same
+     K/V tiles and share every stage of the ring.
+   - The producer copies each consumer's query tile by TMA (a strided box ``q[t0:t0+64, head]``),
+     then walks the CTA's K/V tiles: ``block_kv`` tokens, ``block_kv / block_size`` whole pages,
+     one TMA copy each, the block ids read from the table in GMEM, into a ring of ``num_stages``
+     shared-memory stages; it refills a stage once every consumer has freed it.
+   - A consumer computes ``S = Q K^T`` and ``O += P V`` with wgmma (P from registers, the
+     accumulator seeded from registers), the online softmax in fp32 registers in base 2
+     (``exp2``; the scale folds ``log2(e)`` in where no soft-cap or ALiBi comes between). The
+     tiles are walked in three loops (`tiles.kv_tile_plan`): the window's edge and the causal
+     diagonal, masked per (row, position), and between them the tiles every row sees whole,
+     with no mask. Nothing past the tile's last query position is read, nor any tile wholly
+     before the window of its first.
+   - With ``ping_pong`` (two consumers), a schedule barrier orders the two consumers' wgmmas so
+     that one's softmax runs while the other's products run on the tensor cores.
+   - Each consumer normalizes its rows (with the sink), writes them to shared memory and from
+     there to the output by TMA in boxes of 64, 32, ..., 1 tokens (the binary digits of its row
+     count, so no row of another sequence is touched), and its lse (64 values) to a per-CTA
+     row that XLA gathers per token after the kernel (`gather_lse`).
+3. `paged_attention_mosaic` builds the work list and operands, calls the kernel over
+   ``work tiles x num_kv_heads x head blocks`` CTAs (in that order of significance: a tile's CTAs
+   for every head run side by side), and gathers the lse.
+
+Safety, by construction (values cannot raise under jit):
+
+- ``query_start_loc`` and the lengths arrive clamped (the caller's `_paged_attention_jit`); a
+  tile reads the table only for pages of its K/V range, and every block id is clamped into
+  ``[0, num_blocks)`` before it becomes an address. A query tile near the end of ``q`` is read
+  from ``num_tokens - 64`` (``q`` is padded to 64 rows when shorter), the consumer's rows
+  shifted accordingly.
+- Scores of positions a row does not see are ``-inf``; on the masked tiles the consumer (the
+  first one, for both) replaces non-finite V entries at positions that not every row of the CTA
+  sees by zeros in shared memory before ``P V``, so ``0 * NaN`` cannot reach a row that does not
+  see them (invariant I8), as the Triton kernel does.
+- Rows with no key (padding, a query at a position below 0) give zeros and ``lse = -inf``.
+
+Supported (anything else is a ValueError naming the argument and the way out):
+
+- bf16 / fp16 queries and caches of the query's dtype (fp8 caches: ``impl="pallas"``);
+- ``head_dim`` 64, 128, 192 or 256; ``block_size`` a multiple of 8 that divides ``block_kv`` or
+  is a multiple of it; any GQA group;
+- soft-cap, ALiBi, sliding window, sinks, ``return_lse``, the fused cache;
+- jax >= 0.11.2 and compute capability 9.0 or later, or Mosaic GPU's interpret mode anywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_paged._attention_common import divides, kv_head_rows, num_kv_heads
+from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, PRODUCER_REGISTERS, allocated,
+                                         check_device, check_jax, consumer_registers,
+                                         import_plgpu, mma_smem, with_optional_operands)
+from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfig
+from pallas_paged.ragged_attention.tiles import kv_tile_plan
+
+MMA_ROWS = 64  # a consumer's query tile: wgmma's M, 64 tokens of one query head
+SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
+KERNEL_NAME = "pallas_paged_ragged_mosaic"
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+V_FIX_ROWS = 32  # rows of a V tile the consumer checks for non-finite values at once
+# Exact math (exp2, division), as the parity bounds were met with.
+COMPILER_PARAMS = {"approx_math": False}
+
+
+def heads_per_cta(group: int, num_consumers: int) -> int:
+    """Query heads one CTA computes: one per consumer where they divide the group, else one."""
+    return num_consumers if group % num_consumers == 0 else 1
+
+
+def tokens_per_cta(group: int, num_consumers: int) -> int:
+    """Query tokens one CTA computes: 64 per consumer, over `heads_per_cta` heads."""
+    return MMA_ROWS * num_consumers // heads_per_cta(group, num_consumers)
+
+
+def num_work_tiles(num_tokens: int, batch: int, tokens: int) -> int:
+    """A static bound on the query tiles of any ``query_start_loc``: ``ceil(q_len_b / tokens)``
+    per sequence (padding rows included, as a last pseudo-sequence) sums to at most
+    ``ceil(num_tokens / tokens) + batch`` and, each tile holding a token, to ``num_tokens``."""
+    return max(1, min(-(-num_tokens // tokens) + batch, num_tokens))
+
+
+def work_list(starts, lens, *, num_tokens: int, tokens: int, programs: int, window: int | None):
+    """The query tiles, longest first: ``i32[2, programs]`` (sequence, tile), in XLA.
+
+    Sequence ``b`` (``b == batch``: the padding rows ``[starts[batch], num_tokens)``, with no
+    keys) has ``ceil(q_len_b / tokens)`` tiles. They are ordered by the K/V positions their
+    queries attend, most first (ties in order); entries past the last tile hold ``batch + 1``
+    (no work).
+
+    Args:
+      starts: i32[batch + 1], the clamped, non-decreasing query start locations.
+      lens: i32[batch], the clamped lengths.
+    """
+    batch = lens.shape[0]
+    ends = jnp.concatenate([starts[1:], jnp.full((1,), num_tokens, jnp.int32)])
+    q_len = ends - starts                                     # i32[batch + 1]
+    n = jnp.concatenate([lens, jnp.zeros((1,), jnp.int32)])   # the pseudo-sequence has no keys
+    tiles = (q_len + tokens - 1) // tokens
+    tile_end = jnp.cumsum(tiles)
+    index = jnp.arange(programs, dtype=jnp.int32)
+    b = jnp.searchsorted(tile_end, index, side="right").astype(jnp.int32)  # batch + 1: none
+    b_safe = jnp.minimum(b, batch)
+    tile = index - (tile_end - tiles)[b_safe]
+    queries = jnp.clip(q_len[b_safe] - tile * tokens, 0, tokens)
+    first_pos = n[b_safe] - q_len[b_safe] + tile * tokens
+    key_lo = 0 if window is None else jnp.maximum(first_pos - window + 1, 0)
+    work = jnp.where(b <= batch, jnp.clip(first_pos + queries, 0, None) - key_lo, -1)
+    order = jnp.argsort(-work, stable=True)
+    return jnp.stack([b[order], tile[order]])
+
+
+def smem_bytes(head_dim: int, dtype, config: MosaicAttentionConfig) -> int:
+    """Shared memory one CTA takes: the consumers' query tiles, the K and V ring, the output's
+    staging and the lse rows (each allocation rounded up: `allocated`), and the barriers."""
+    itemsize = jnp.dtype(dtype).itemsize
+    consumers = config.num_consumers
+    total = allocated(consumers * MMA_ROWS * head_dim * itemsize)               # q
+    total += allocated(*[config.num_stages * config.block_kv * head_dim * itemsize] * 2)  # K, V
+    total += allocated(consumers * MMA_ROWS * head_dim * itemsize)              # the output
+    total += allocated(consumers * MMA_ROWS * 4)                                # lse
+    return total + 8 * (consumers + 4 * config.num_stages + 1) + 2048          # barriers, Mosaic
+
+
+def check_supported(q, k_cache, config: MosaicAttentionConfig) -> None:
+    """ValueError naming the argument for every shape or dtype this kernel does not handle."""
+    head_dim = q.shape[2]
+    block_size = k_cache.shape[1]
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(
+            f"impl='mosaic' takes bf16 or fp16 queries, got q.dtype={jnp.dtype(q.dtype)} (fp32"
+            " would run the tensor cores in TF32): use impl='pallas' or impl='xla' for fp32")
+    if jnp.dtype(k_cache.dtype) != jnp.dtype(q.dtype):
+        raise ValueError(
+            f"impl='mosaic' ragged attention takes caches of q's dtype, got"
+            f" k_cache.dtype={jnp.dtype(k_cache.dtype)} with q.dtype={jnp.dtype(q.dtype)}:"
+            " use impl='pallas' for fp8 caches")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"impl='mosaic' supports head_dim in {SUPPORTED_HEAD_DIMS}, got"
+                         f" {q.shape=} (head_dim={head_dim}): use impl='pallas'")
+    block_kv = config.block_kv
+    if block_size % 8 or (block_kv % block_size and block_size % block_kv):
+        raise ValueError(
+            f"impl='mosaic' needs block_size a multiple of 8 that divides block_kv={block_kv} or"
+            f" is a multiple of it, got {k_cache.shape=} (block_size={block_size}): use"
+            " impl='pallas'")
+    need = smem_bytes(head_dim, q.dtype, config)
+    if need > MAX_SMEM_BYTES:
+        raise ValueError(
+            f"config={config} needs {need} bytes of shared memory at head_dim={head_dim}, more"
+            f" than the {MAX_SMEM_BYTES} of one CTA: fewer num_stages, block_kv=64 or"
+            " num_consumers=1")
+
+
+def refusal(q, k_cache, config: MosaicAttentionConfig, interpret: bool) -> str | None:
+    """Why this kernel cannot run the call (a ValueError's message), or None where it can: the
+    jax version, the shapes and dtypes for ``config``, then the device. Reads only ``.shape``
+    and ``.dtype``."""
+    try:
+        check_jax()
+        check_supported(q, k_cache, config)
+        check_device(interpret)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _ragged_attention_kernel(
+    work_ref,     # i32[2, W]: (sequence, tile) of each work tile, longest first (`work_list`)
+    qsl_ref,      # i32[batch + 1], the query start locations (clamped, non-decreasing)
+    lens_ref,     # i32[batch], the lengths (clamped)
+    tables_ref,   # i32[batch, max_blocks]
+    q_ref,        # [T, num_heads, head_dim], T = max(num_tokens, 64)
+    k_ref,        # [num_blocks, block_size, num_kv_heads, head_dim]  (fused: the one cache,
+    v_ref,        #  [..., 2 * num_kv_heads, head_dim], as both)
+    alibi_ref,    # f32[num_heads] or None
+    sinks_ref,    # f32[num_heads] or None
+    out_ref,      # [num_tokens, num_heads, head_dim] in q.dtype
+    lse_ref,      # f32[CTAs, C, 64]: each consumer's lse row (`gather_lse`)
+    *,
+    plgpu,
+    scale: float,
+    group: int,
+    num_tokens: int,
+    block_kv: int,
+    num_stages: int,
+    num_consumers: int,
+    ping_pong: bool,
+    soft_cap: float | None,
+    window: int | None,
+    fused: bool,
+):
+    num_blocks, block_size, _, head_dim = k_ref.shape
+    kvh = num_kv_heads(k_ref.shape, fused)
+    batch, max_blocks = tables_ref.shape
+    padded_tokens = q_ref.shape[0]
+    dtype = q_ref.dtype
+    heads = heads_per_cta(group, num_consumers)
+    head_blocks = group // heads
+    tokens = tokens_per_cta(group, num_consumers)
+    copies = block_kv // block_size if block_size <= block_kv else 1
+
+    # --- the CTA's work: (sequence b, tile) of rank `rank`, kv head h, head block hb ----------
+    cta = jax.lax.axis_index("cta")
+    rank, rest = cta // (kvh * head_blocks), cta % (kvh * head_blocks)
+    h, hb = rest // head_blocks, rest % head_blocks
+    b, tile = work_ref[0, rank], work_ref[1, rank]
+    real = b < batch  # b == batch: the padding rows; b > batch: no work
+    q_start = jnp.where(b <= batch, qsl_ref[jnp.minimum(b, batch)], 0)
+    q_end = jnp.where(real, qsl_ref[jnp.minimum(b + 1, batch)],
+                      jnp.where(b == batch, num_tokens, q_start))
+    n = jnp.where(real, lens_ref[jnp.minimum(b, batch - 1)], 0)
+    q_len = q_end - q_start
+    cta_queries = jnp.clip(q_len - tile * tokens, 0, tokens)
+    first_pos = n - q_len + tile * tokens  # the position of the CTA's first query
+    key_lo, key_hi, shared_lo, shared_hi, loops = kv_tile_plan(
+        first_pos, cta_queries, n, 0, block_k=block_kv, num_splits=1, window=window)
+    tile_lo, tile_hi = loops[0][0], loops[2][1]
+    steps = tile_hi - tile_lo
+    page_lo, page_hi = key_lo // block_size, jnp.maximum(key_hi - 1, 0) // block_size
+    k_head, v_head = kv_head_rows(h, fused)
+    table_row = jnp.minimum(b, batch - 1)
+
+    def consumer_rows(c):
+        """Consumer ``c``'s query head, first token row ``t0``, valid rows, the row its tile
+        is read from (``t0_load``, at most ``T - 64``) and the position of its row 0."""
+        sub = c // heads
+        head = h * group + hb * heads + c % heads
+        t0 = q_start + tile * tokens + sub * MMA_ROWS
+        queries = jnp.clip(cta_queries - sub * MMA_ROWS, 0, MMA_ROWS)
+        t0_load = jnp.clip(t0, 0, padded_tokens - MMA_ROWS)
+        row0_pos = first_pos + sub * MMA_ROWS - (t0 - t0_load)
+        return head, t0, queries, t0_load, row0_pos
+
+    def body(q_smem, k_smem, v_smem, o_smem, lse_smem, q_bars, k_bars, v_bars, free_bars,
+             v_ready_bars, schedule_bar):
+        # q_smem [C, 64, D]; k_smem, v_smem [stages, block_kv, D] (wgmma operands); o_smem
+        # [C, 64, D] in q.dtype (untiled: any row range copies out); lse_smem f32[C, 64].
+        # Barriers: q_bars[C] (a consumer's query tile copied); k_bars, v_bars[stages] (a stage's
+        # copies done); free_bars[stages] (every consumer is done with a stage); v_ready_bars
+        # [stages] (two consumers: the first has checked a stage's V, the second may read it),
+        # else None; schedule_bar (ping_pong) the two consumers' turns on the tensor cores.
+        wg = jax.lax.axis_index("wg")
+
+        def block_ids(kv_tile):
+            """The block ids of ``kv_tile``'s pages (page index clamped into the CTA's pages, so
+            the table is read only there; ids clamped into the cache)."""
+            if block_size <= block_kv:
+                pages = [kv_tile * copies + j for j in range(copies)]
+            else:
+                pages = [kv_tile // (block_size // block_kv)]
+            return [jnp.clip(tables_ref[table_row, jnp.clip(page, page_lo, page_hi)], 0,
+                             num_blocks - 1) for page in pages]
+
+        def issue(kv_tile, slot, blocks):
+            """TMA the K and V rows of ``kv_tile`` (pages ``blocks``) into stage ``slot``."""
+            if block_size <= block_kv:
+                for j, block in enumerate(blocks):
+                    rows = pl.ds(j * block_size, block_size)
+                    plgpu.copy_gmem_to_smem(k_ref.at[block, :, k_head], k_smem.at[slot, rows],
+                                            k_bars.at[slot])
+                    plgpu.copy_gmem_to_smem(v_ref.at[block, :, v_head], v_smem.at[slot, rows],
+                                            v_bars.at[slot])
+            else:
+                rows = pl.ds((kv_tile % (block_size // block_kv)) * block_kv, block_kv)
+                plgpu.copy_gmem_to_smem(k_ref.at[blocks[0], rows, k_head], k_smem.at[slot],
+                                        k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[blocks[0], rows, v_head], v_smem.at[slot],
+                                        v_bars.at[slot])
+
+        @pl.when(wg == num_consumers)
+        def _producer():
+            if num_consumers > 1:
+                plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            for c in range(num_consumers):
+                head, _, _, t0_load, _ = consumer_rows(c)
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0_load, MMA_ROWS), head], q_smem.at[c],
+                                        q_bars.at[c])
+
+            @pl.loop(0, steps)
+            def _produce(step):
+                slot = jax.lax.rem(step, num_stages)
+                blocks = block_ids(tile_lo + step)  # loaded before the wait: latency hidden
+
+                @pl.when(step >= num_stages)
+                def _wait_free():
+                    plgpu.barrier_wait(free_bars.at[slot])
+
+                issue(tile_lo + step, slot, blocks)
+
+            # every consumer frees every stage it reads: the frees no refill waited for (the
+            # last `num_stages` steps) are waited for here, so no barrier phase is unobserved
+            @pl.loop(jnp.maximum(steps - num_stages, 0), steps)
+            def _drain(step):
+                plgpu.barrier_wait(free_bars.at[jax.lax.rem(step, num_stages)])
+
+        def schedule_turn():
+            plgpu.barrier_arrive(schedule_bar)
+            plgpu.barrier_wait(schedule_bar)
+
+        def fix_values(slot, kv_tile):
+            """Non-finite V entries at positions not every row of the CTA sees, zeroed in stage
+            ``slot`` (a masked tile): a row whose weight for them is 0 would get ``0 * NaN``."""
+            for r in range(0, block_kv, V_FIX_ROWS):
+                rows = v_smem.at[slot, pl.ds(r, V_FIX_ROWS)]
+                v = rows[...].astype(jnp.float32)
+                pos = (kv_tile * block_kv + r
+                       + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0))
+                keep = ((pos >= shared_lo) & (pos < shared_hi)) | (jnp.abs(v) < jnp.inf)
+                rows[...] = jnp.where(keep, v, 0.0).astype(v_smem.dtype)
+            plgpu.commit_smem()
+
+        def consumer(c):
+            head, t0, queries, _, row0_pos = consumer_rows(c)
+            q_tile = q_smem.at[c]
+            score_shape = (MMA_ROWS, block_kv)
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
+            folds = soft_cap is None and alibi_ref is None  # log2(e) folded into the scale
+            if alibi_ref is not None:
+                slope = alibi_ref[head]
+
+            def step_body(kv_tile, carry, *, masked: bool):
+                acc, m_prev, l_prev = carry  # f32[64, D], f32[64] (base 2), f32[64]
+                slot = jax.lax.rem(kv_tile - tile_lo, num_stages)
+                plgpu.barrier_wait(k_bars.at[slot])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+                    if ping_pong:
+                        schedule_turn()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC(score_shape, jnp.float32))  # f32[64, block_kv]
+                if folds:
+                    s = s * (scale * LOG2E)
+                else:
+                    s = s * scale
+                    if soft_cap is not None:
+                        s = soft_cap * jnp.tanh(s / soft_cap)
+                if alibi_ref is not None or masked:
+                    pos = kv_tile * block_kv + plgpu.broadcasted_iota(
+                        jnp.int32, score_shape, 1, layout=plgpu.Layout.WGMMA)
+                    row_pos = row0_pos + plgpu.broadcasted_iota(
+                        jnp.int32, score_shape, 0, layout=plgpu.Layout.WGMMA)
+                if alibi_ref is not None:
+                    s = s + slope * (pos - row_pos).astype(jnp.float32)
+                if not folds:
+                    s = s * LOG2E
+                if masked:
+                    sees = pos <= row_pos
+                    if window is not None:
+                        sees = sees & (pos > row_pos - window)
+                    s = jnp.where(sees, s, -jnp.inf)
+                m_next = jnp.maximum(m_prev, s.max(axis=1))
+                m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # no key yet: exp2 finite
+                alpha = jnp.exp2(m_prev - m_safe)
+                p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_safe, score_shape, [0]))
+                l_next = l_prev * alpha + p.sum(axis=1)
+                acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(dtype)
+
+                if ping_pong:
+                    plgpu.barrier_arrive(schedule_bar)  # done with the softmax
+                if c == 0:
+                    plgpu.barrier_wait(v_bars.at[slot])
+                    if masked:
+                        fix_values(slot, kv_tile)
+                    if v_ready_bars is not None:
+                        plgpu.barrier_arrive(v_ready_bars.at[slot])
+                else:
+                    plgpu.barrier_wait(v_ready_bars.at[slot])
+                if ping_pong:
+                    plgpu.barrier_wait(schedule_bar)  # the tensor cores are ours
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(free_bars.at[slot])
+                return acc, m_next, l_next
+
+            plgpu.barrier_wait(q_bars.at[c])
+            if ping_pong and c == 1:
+                schedule_turn()  # the second consumer starts one turn behind the first
+            carry = (plgpu.layout_cast(jnp.zeros((MMA_ROWS, head_dim), jnp.float32),
+                                       plgpu.Layout.WGMMA),
+                     plgpu.layout_cast(jnp.full((MMA_ROWS,), -jnp.inf, jnp.float32), row_layout),
+                     plgpu.layout_cast(jnp.zeros((MMA_ROWS,), jnp.float32), row_layout))
+            for (lo, hi), masked in zip(loops, (True, False, True)):
+                carry = jax.lax.fori_loop(lo, hi, functools.partial(step_body, masked=masked),
+                                          carry)
+            if ping_pong and c == 0:
+                schedule_turn()  # the second consumer's last turn
+            acc, m, l = carry
+            if sinks_ref is not None:  # one more logit per row, with no value row
+                sink = sinks_ref[head] * LOG2E
+                m_total = jnp.maximum(m, sink)
+                correction = jnp.exp2(m - m_total)
+                acc = acc * jax.lax.broadcast_in_dim(correction, acc.shape, [0])
+                m, l = m_total, l * correction + jnp.exp2(sink - m_total)
+            row_pos = row0_pos + plgpu.broadcasted_iota(jnp.int32, (MMA_ROWS,), 0,
+                                                        layout=row_layout)
+            has_keys = row_pos >= 0  # a row at position p >= 0 sees at least p itself
+            ok = has_keys & divides(l)
+            l_safe = jnp.where(ok, l, 1.0)
+            out = jnp.where(jax.lax.broadcast_in_dim(ok, acc.shape, [0]),
+                            acc / jax.lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
+            o_smem[c] = out.astype(dtype)
+            lse_smem[c] = jnp.where(has_keys, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+            plgpu.commit_smem()
+            write_rows(c, head, t0, queries)
+            plgpu.copy_smem_to_gmem(lse_smem.at[c], lse_ref.at[cta, c])
+            plgpu.wait_smem_to_gmem(0)
+
+        def write_rows(c, head, t0, queries):
+            """Rows ``[delta, delta + queries)`` of consumer ``c``'s staged output to tokens
+            ``t0 ..`` of head ``head``, ``delta = t0 - t0_load``, in boxes of 64, 32, ..., 1."""
+            _, _, _, t0_load, _ = consumer_rows(c)
+            delta = t0 - t0_load
+            done = jnp.int32(0)
+            size = MMA_ROWS
+            while size >= 1:
+                take = (queries & size) != 0
+
+                @pl.when(take)
+                def _store(size=size, done=done):
+                    plgpu.copy_smem_to_gmem(o_smem.at[c, pl.ds(delta + done, size)],
+                                            out_ref.at[pl.ds(t0 + done, size), head])
+
+                done = done + jnp.where(take, size, 0)
+                size //= 2
+
+        for c in range(num_consumers):
+
+            @pl.when(wg == c)
+            def _consumer(c=c):
+                if num_consumers > 1:
+                    plgpu.set_max_registers(consumer_registers(num_consumers), action="increase")
+                consumer(c)
+
+    c_count = num_consumers
+    scratch = (
+        mma_smem(plgpu, (c_count, MMA_ROWS, head_dim), dtype),
+        mma_smem(plgpu, (num_stages, block_kv, head_dim), k_ref.dtype),
+        mma_smem(plgpu, (num_stages, block_kv, head_dim), v_ref.dtype),
+        plgpu.SMEM((c_count, MMA_ROWS, head_dim), dtype),
+        plgpu.SMEM((c_count, MMA_ROWS), jnp.float32),
+        plgpu.Barrier(num_barriers=c_count),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=c_count, num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages) if c_count > 1 else None,
+        plgpu.Barrier(num_arrivals=2) if ping_pong else None,
+    )
+    pl.run_scoped(body, *scratch, collective_axes="wg")
+
+
+def gather_lse(lse_tiles, work, starts, *, num_tokens: int, num_heads: int, group: int,
+               num_consumers: int, padded_tokens: int):
+    """Each token's lse from the consumers' rows ``lse_tiles f32[CTAs, C, 64]`` (XLA, after the
+    kernel): token ``t`` of sequence ``b`` lies in tile ``(t - starts[b]) // tokens``, whose rank
+    in the work list gives its CTAs, and in row ``t - t0_load`` of its consumer's tile.
+
+    Returns:
+      ``f32[num_tokens, num_heads]``.
+    """
+    heads = heads_per_cta(group, num_consumers)
+    tokens = tokens_per_cta(group, num_consumers)
+    head_blocks = group // heads
+    kvh = num_heads // group
+    batch = starts.shape[0] - 1
+    ends = jnp.concatenate([starts[1:], jnp.full((1,), num_tokens, jnp.int32)])
+    tiles = (ends - starts + tokens - 1) // tokens
+    tile_start = jnp.cumsum(tiles) - tiles                    # i32[batch + 1]
+    programs = work.shape[1]
+    index = tile_start[jnp.minimum(work[0], batch)] + work[1]  # the tile of each rank
+    rank_of = jnp.zeros((programs,), jnp.int32).at[
+        jnp.where(work[0] <= batch, index, programs)].set(
+            jnp.arange(programs, dtype=jnp.int32), mode="drop")
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    b = (jnp.searchsorted(starts, t, side="right") - 1).astype(jnp.int32)
+    b = jnp.clip(b, 0, batch)  # rows past starts[batch] belong to the padding pseudo-sequence
+    offset = t - starts[b]
+    tile = offset // tokens
+    sub = (offset % tokens) // MMA_ROWS
+    rank = rank_of[tile_start[b] + tile]                      # i32[T]
+    t0 = starts[b] + tile * tokens + sub * MMA_ROWS
+    row = t - jnp.clip(t0, 0, padded_tokens - MMA_ROWS)
+    head = jnp.arange(num_heads, dtype=jnp.int32)
+    h, g = head // group, head % group
+    cta = (rank[:, None] * kvh + h[None, :]) * head_blocks + (g // heads)[None, :]
+    c = sub[:, None] * heads + (g % heads)[None, :]
+    return lse_tiles[cta, c, row[:, None]]
+
+
+def paged_attention_mosaic(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *,
+                           scale, config: MosaicAttentionConfig, interpret: bool,
+                           logits_soft_cap, alibi_slopes, sliding_window, sinks,
+                           fused: bool = False):
+    """The kernel over ``work tiles x num_kv_heads x head blocks`` CTAs, with the XLA work around
+    it: the work list before (`work_list`), the lse gathered per token after (`gather_lse`).
+
+    Arguments as `pallas_paged.paged_attention` after validation (``scale`` a float; indices
+    int32 and clamped, ``query_start_loc`` non-decreasing from 0; ``num_tokens >= 1``,
+    ``batch >= 1``); the caller has checked the call (`refusal`). ``fused``: ``k_cache`` and
+    ``v_cache`` are one fused cache, read in place.
+
+    Returns:
+      ``(out [num_tokens, num_heads, head_dim] in q.dtype, lse f32[num_tokens, num_heads])``.
+    """
+    plgpu = import_plgpu()
+    num_tokens, num_heads, head_dim = q.shape
+    kvh = num_kv_heads(k_cache.shape, fused)
+    group = num_heads // kvh
+    batch = block_tables.shape[0]
+    consumers = config.num_consumers
+    tokens = tokens_per_cta(group, consumers)
+    head_blocks = group // heads_per_cta(group, consumers)
+    programs = num_work_tiles(num_tokens, batch, tokens)
+    starts = query_start_loc.astype(jnp.int32)
+    lens = context_lens.astype(jnp.int32)
+    work = work_list(starts, lens, num_tokens=num_tokens, tokens=tokens, programs=programs,
+                     window=sliding_window)
+    q_in = q if num_tokens >= MMA_ROWS else jnp.pad(
+        q, ((0, MMA_ROWS - num_tokens), (0, 0), (0, 0)))
+    ctas = programs * kvh * head_blocks
+    ping_pong = config.ping_pong and consumers == 2
+    body = functools.partial(
+        _ragged_attention_kernel, plgpu=plgpu, scale=scale, group=group, num_tokens=num_tokens,
+        block_kv=config.block_kv, num_stages=config.num_stages, num_consumers=consumers,
+        ping_pong=ping_pong, soft_cap=logits_soft_cap, window=sliding_window, fused=fused)
+    kernel_body, optional = with_optional_operands(body, 7, {
+        "alibi": None if alibi_slopes is None else alibi_slopes.astype(jnp.float32),
+        "sinks": None if sinks is None else sinks.astype(jnp.float32),
+    })
+    name = (f"{KERNEL_NAME}_bkv{config.block_kv}_st{config.num_stages}_c{consumers}"
+            f"_g{group}_d{head_dim}_bs{k_cache.shape[1]}" + ("_pp" if ping_pong else "")
+            + ("_fused" if fused else ""))
+    out, lse_tiles = plgpu.kernel(
+        kernel_body,
+        out_type=(jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), q.dtype),
+                  jax.ShapeDtypeStruct((ctas, consumers, MMA_ROWS), jnp.float32)),
+        grid=(ctas,),
+        grid_names=("cta",),
+        num_threads=consumers + 1,
+        thread_name="wg",
+        kernel_name=name,
+        compiler_params=plgpu.CompilerParams(**COMPILER_PARAMS),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(work, starts, lens, block_tables.astype(jnp.int32), q_in, k_cache, v_cache, *optional)
+    lse = gather_lse(lse_tiles, work, starts, num_tokens=num_tokens, num_heads=num_heads,
+                     group=group, num_consumers=consumers, padded_tokens=q_in.shape[0])
+    return out, lse

@@ -1,0 +1,272 @@
+"""`paged_attention(..., impl="mosaic")`, the Mosaic GPU ragged kernel, against the float64 oracle
+within the tolerance rule: mixed batches, every config shape (one or two consumers, ping-pong,
+odd groups), every option, page sizes, head dims, the fused cache, the SPEC invariants I8-I9;
+its work list and lse gather (plain XLA, every jax); its refusals.
+
+On a CPU the kernel runs in Mosaic GPU's interpret mode, so the shapes are small; on a GPU the
+same tests run the compiled kernel, and the ``gpu`` tests add realistic shapes. jax < 0.11.2 has
+no ``plgpu.kernel`` of this API: the kernel's tests are skipped there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_paged as pp
+from paged_inputs import assert_close, bits, jax_options, make_ragged, reference, to_numpy
+from pallas_paged import _mosaic_common
+from pallas_paged.ragged_attention import mosaic_gpu
+from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfig as M
+from parity.tolerance import ATOL
+
+KERNEL_API = _mosaic_common.jax_version() >= _mosaic_common.MIN_JAX
+needs_kernel_api = pytest.mark.skipif(
+    not KERNEL_API, reason=f"impl='mosaic' needs jax >= 0.11.2 (plgpu.kernel); this is jax"
+    f" {jax.__version__}")
+SLOW = pytest.mark.slow
+ONE_CONSUMER = M(block_kv=64, num_stages=3, num_consumers=1, ping_pong=False)
+TWO_PLAIN = M(block_kv=64, num_stages=2, num_consumers=2, ping_pong=False)
+PING_PONG = M(block_kv=128, num_stages=2, num_consumers=2, ping_pong=True)
+# (q_len, context_len): a decode, an empty sequence, a 70-token chunk over longer context (two
+# 64-token tiles), a whole prompt, a speculation, a chunk that ends a tile exactly.
+MIX = [(1, 9), (0, 5), (70, 100), (13, 13), (3, 40), (64, 80)]
+
+
+def attend(problem, config=None, **options):
+    """``(out, lse)`` of the Mosaic kernel on ``problem``."""
+    return pp.paged_attention(*problem.jax(), impl="mosaic", config=config, return_lse=True,
+                              **jax_options(options))
+
+
+def check(problem, config=None, **options):
+    """The kernel against the float64 truth within the tolerance rule: ``(out, lse)`` numpy."""
+    ref = reference(*problem.arrays()[:5], query_start_loc=problem.query_start_loc, **options)
+    out, lse = attend(problem, config, **options)
+    assert_close(ref, out, lse, what=f"mosaic {config}")
+    return to_numpy(out), to_numpy(lse)
+
+
+def every_option(rng, num_heads):
+    return dict(logits_soft_cap=3.0,
+                alibi_slopes=(2.0 ** -np.arange(1, num_heads + 1)).astype(np.float32),
+                sliding_window=37, sinks=rng.standard_normal(num_heads).astype(np.float32))
+
+
+# --- against the truth ---------------------------------------------------------------------------
+
+@needs_kernel_api
+@pytest.mark.parametrize("dtype,config,heads", [
+    ("bfloat16", None, (4, 2)),
+    ("float16", PING_PONG, (8, 2)),
+    ("bfloat16", ONE_CONSUMER, (4, 2)),
+    pytest.param("bfloat16", TWO_PLAIN, (3, 1), marks=SLOW),   # group 3: two token halves
+    pytest.param("bfloat16", PING_PONG, (2, 2), marks=SLOW),   # MHA: two token halves
+    pytest.param("float16", TWO_PLAIN, (6, 2), marks=SLOW),
+])
+def test_mixed_batch_matches_the_truth(rng, dtype, config, heads):
+    """Decodes, chunks, a prompt and padding rows in one batch, every config shape."""
+    num_heads, kvh = heads
+    problem = make_ragged(rng, MIX, pad=3, num_heads=num_heads, num_kv_heads=kvh, head_dim=64,
+                          block_size=16, dtype=dtype)
+    check(problem, config)
+
+
+@needs_kernel_api
+@pytest.mark.parametrize("which", [
+    "all", pytest.param("logits_soft_cap", marks=SLOW), pytest.param("alibi_slopes", marks=SLOW),
+    "sliding_window", pytest.param("sinks", marks=SLOW)])
+def test_options_match_the_truth(rng, which):
+    every = every_option(rng, 4)
+    options = every if which == "all" else {which: every[which]}
+    problem = make_ragged(rng, [(40, 90), (2, 2), (0, 3), (9, 50)], pad=2, num_heads=4,
+                          num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
+    check(problem, **options)
+
+
+@needs_kernel_api
+@pytest.mark.parametrize("block_size,config", [
+    (16, ONE_CONSUMER),
+    pytest.param(8, PING_PONG, marks=SLOW),
+    pytest.param(32, TWO_PLAIN, marks=SLOW),
+    (128, TWO_PLAIN),                         # a page larger than a tile: one slice of it
+    pytest.param(256, PING_PONG, marks=SLOW),
+])
+def test_page_sizes(rng, block_size, config):
+    problem = make_ragged(rng, [(20, 150), (5, 30)], pad=1, num_heads=4, num_kv_heads=2,
+                          head_dim=64, block_size=block_size, dtype="bfloat16")
+    check(problem, config)
+
+
+@needs_kernel_api
+@pytest.mark.parametrize("head_dim", [128, pytest.param(192, marks=SLOW),
+                                      pytest.param(256, marks=SLOW)])
+def test_head_dims(rng, head_dim):
+    problem = make_ragged(rng, [(9, 30), (1, 7)], num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                          block_size=16, dtype="bfloat16")
+    check(problem)
+
+
+@needs_kernel_api
+def test_fused_cache_gives_the_same_bits(rng):
+    """`paged_attention_fused` reads the interleaved rows in place: the same bits as the pair."""
+    problem = make_ragged(rng, [(20, 40), (1, 9)], pad=1, num_heads=4, num_kv_heads=2,
+                          head_dim=64, block_size=16, dtype="bfloat16")
+    q, k, v, tables, lens, qsl = problem.jax()
+    kv = jnp.stack([k, v], axis=3).reshape(*k.shape[:2], -1, k.shape[3])
+    out, lse = attend(problem)
+    fused, fused_lse = pp.paged_attention_fused(q, kv, tables, lens, qsl, impl="mosaic",
+                                                return_lse=True)
+    np.testing.assert_array_equal(bits(fused), bits(out))
+    np.testing.assert_array_equal(bits(fused_lse), bits(lse))
+
+
+@needs_kernel_api
+@pytest.mark.parametrize("with_options", [pytest.param(False, marks=SLOW), True])
+def test_i8_later_positions_are_never_seen(rng, with_options):
+    """Poisoning every position from ``cut`` on (NaN in K and V) leaves the rows of queries
+    before ``cut`` bit for bit unchanged, masked tiles and the V fix included."""
+    seqs = [(70, 90), (7, 7), (5, 22)]
+    problem = make_ragged(rng, seqs, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                          dtype="bfloat16")
+    extra = every_option(rng, 4) if with_options else {}
+    clean, _ = attend(problem, **extra)
+    k_cache, v_cache = problem.k_cache.copy(), problem.v_cache.copy()
+    kept = []
+    for b, (q_len, n) in enumerate(seqs):
+        first = int(problem.query_start_loc[b])
+        cut = n - q_len + q_len // 2
+        for j in range(cut, n):
+            block = problem.block_tables[b, j // 16]
+            k_cache[block, j % 16] = np.nan
+            v_cache[block, j % 16] = np.nan
+        kept += [first + i for i in range(q_len) if n - q_len + i < cut]
+    out, _ = attend(problem.replace(k_cache=k_cache, v_cache=v_cache), **extra)
+    np.testing.assert_array_equal(bits(out)[kept], bits(clean)[kept])
+
+
+@needs_kernel_api
+def test_i9_padding_rows_are_zeros_and_disturb_nothing(rng):
+    problem = make_ragged(rng, [(5, 12), (1, 3), (3, 9)], pad=70, num_heads=4, num_kv_heads=2,
+                          head_dim=64, block_size=16, dtype="bfloat16")
+    out, lse = check(problem)
+    assert (out[-70:] == 0).all() and np.isneginf(lse[-70:]).all()
+    problem.q[-70:] = np.nan
+    poisoned, poisoned_lse = attend(problem)
+    np.testing.assert_array_equal(bits(poisoned), bits(out))
+    np.testing.assert_array_equal(bits(poisoned_lse), bits(lse))
+
+
+# --- the work list and the lse gather (plain XLA) ------------------------------------------------
+
+@pytest.mark.parametrize("group,consumers", [(4, 2), (3, 2), (4, 1), (1, 2)])
+def test_work_list_covers_every_row_once_longest_first(group, consumers):
+    """Every token (padding included) lies in exactly one listed tile; tiles are listed by the
+    K/V positions they attend, most first; `gather_lse` finds each token's row."""
+    q_lens = [1, 0, 70, 130, 13, 3]
+    lens = [9, 5, 100, 400, 13, 40]
+    num_tokens = sum(q_lens) + 5
+    starts = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    tokens = mosaic_gpu.tokens_per_cta(group, consumers)
+    programs = mosaic_gpu.num_work_tiles(num_tokens, len(q_lens), tokens)
+    work = np.asarray(mosaic_gpu.work_list(starts, jnp.asarray(lens, jnp.int32),
+                                           num_tokens=num_tokens, tokens=tokens,
+                                           programs=programs, window=None))
+    ends = list(np.asarray(starts[1:])) + [num_tokens]
+    covered = np.zeros(num_tokens, int)
+    attended = []
+    for b, tile in work.T:
+        if b > len(q_lens):
+            continue
+        lo = int(starts[b]) + tile * tokens
+        hi = min(lo + tokens, ends[b])
+        assert lo < hi
+        covered[lo:hi] += 1
+        n = lens[b] if b < len(q_lens) else 0
+        q_len = ends[b] - int(starts[b])
+        attended.append(max(n - q_len + (hi - int(starts[b])), 0))
+    assert (covered == 1).all()
+    assert attended == sorted(attended, reverse=True)
+    # each consumer's lse row holds its tokens: token t, head h -> t * 1000 + h
+    heads = mosaic_gpu.heads_per_cta(group, consumers)
+    kvh, num_heads = 2, 2 * group
+    ctas = programs * kvh * (group // heads)
+    padded = max(num_tokens, 64)
+    tiles = np.full((ctas, consumers, 64), np.nan, np.float32)
+    for rank, (b, tile) in enumerate(work.T):
+        if b > len(q_lens):
+            continue
+        for h in range(kvh):
+            for hb in range(group // heads):
+                for c in range(consumers):
+                    sub, head = c // heads, h * group + hb * heads + c % heads
+                    t0 = int(starts[b]) + tile * tokens + sub * 64
+                    t0_load = min(max(t0, 0), padded - 64)
+                    for row in range(64):
+                        t = t0_load + row
+                        if t0 <= t < min(t0 + 64, ends[b]):
+                            tiles[(rank * kvh + h) * (group // heads) + hb, c, row] = (
+                                t * 1000 + head)
+    lse = mosaic_gpu.gather_lse(jnp.asarray(tiles), jnp.asarray(work), starts,
+                                num_tokens=num_tokens, num_heads=num_heads, group=group,
+                                num_consumers=consumers, padded_tokens=padded)
+    want = np.arange(num_tokens)[:, None] * 1000 + np.arange(num_heads)[None, :]
+    np.testing.assert_array_equal(np.asarray(lse), want)
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+@needs_kernel_api
+@pytest.mark.parametrize("change,match", [
+    (dict(dtype="float32"), "bf16 or fp16 queries"),
+    (dict(dtype="float8_e4m3fn"), "caches of q's dtype"),
+    (dict(head_dim=32), "head_dim in"),
+    (dict(block_size=12), "block_size a multiple of 8"),
+])
+def test_refusals_name_the_argument(rng, change, match):
+    kwargs = dict(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
+    kwargs.update(change)
+    problem = make_ragged(rng, [(3, 12)], **kwargs)
+    scales = dict(k_scale=0.5, v_scale=2.0) if kwargs["dtype"] == "float8_e4m3fn" else {}
+    with pytest.raises(ValueError, match=match):
+        pp.paged_attention(*problem.jax(), impl="mosaic", interpret=True, **scales)
+
+
+@needs_kernel_api
+def test_refuses_configs_past_shared_memory_and_of_the_wrong_type(rng):
+    problem = make_ragged(rng, [(3, 12)], num_heads=4, num_kv_heads=2, head_dim=256,
+                          block_size=16, dtype="bfloat16")
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        pp.paged_attention(*problem.jax(), impl="mosaic", interpret=True,
+                           config=M(block_kv=128, num_stages=3))
+    with pytest.raises(ValueError, match="config"):
+        pp.paged_attention(*problem.jax(), impl="mosaic", interpret=True,
+                           config=pp.AttentionConfig())
+
+
+@pytest.mark.parametrize("field,value", [("block_kv", 32), ("num_stages", 1),
+                                         ("num_consumers", 3), ("ping_pong", 1)])
+def test_config_refuses_bad_fields(field, value):
+    with pytest.raises(ValueError, match=field):
+        M(**{field: value})
+
+
+# --- compiled, realistic shapes ------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqs", [
+    [(2048, 2048)],                                   # a whole prompt
+    [(512, 2560)] * 4 + [(1, 4096)] * 12,             # chunks and decodes
+    [(1000, 9000), (37, 37), (4, 700)],
+])
+def test_compiled_against_xla(rng, seqs):
+    problem = make_ragged(rng, seqs, pad=7, num_heads=32, num_kv_heads=8, head_dim=128,
+                          block_size=16, dtype="bfloat16")
+    got = pp.paged_attention(*problem.jax(), impl="mosaic")
+    want = pp.paged_attention(*problem.jax(), impl="pallas")
+    got, want = (to_numpy(x).astype(np.float64) for x in (got, want))
+    assert np.isfinite(got).all()
+    bound = 4 * ATOL["bfloat16"] * max(1.0, np.abs(want).max())
+    assert np.abs(got - want).max() <= bound, (np.abs(got - want).max(), bound)
