@@ -101,8 +101,7 @@ def test_page_sizes(rng, block_size, config):
 
 
 @needs_kernel_api
-@pytest.mark.parametrize("head_dim", [128, pytest.param(192, marks=SLOW),
-                                      pytest.param(256, marks=SLOW)])
+@pytest.mark.parametrize("head_dim", [128, pytest.param(192, marks=SLOW)])
 def test_head_dims(rng, head_dim):
     problem = make_ragged(rng, [(9, 30), (1, 7)], num_heads=4, num_kv_heads=2, head_dim=head_dim,
                           block_size=16, dtype="bfloat16")
@@ -223,6 +222,7 @@ def test_work_list_covers_every_row_once_longest_first(group, consumers):
     (dict(dtype="float32"), "bf16 or fp16 queries"),
     (dict(dtype="float8_e4m3fn"), "caches of q's dtype"),
     (dict(head_dim=32), "head_dim in"),
+    (dict(head_dim=256), "head_dim in"),
     (dict(block_size=12), "block_size a multiple of 8"),
 ])
 def test_refusals_name_the_argument(rng, change, match):
@@ -236,11 +236,11 @@ def test_refusals_name_the_argument(rng, change, match):
 
 @needs_kernel_api
 def test_refuses_configs_past_shared_memory_and_of_the_wrong_type(rng):
-    problem = make_ragged(rng, [(3, 12)], num_heads=4, num_kv_heads=2, head_dim=256,
+    problem = make_ragged(rng, [(3, 12)], num_heads=4, num_kv_heads=2, head_dim=192,
                           block_size=16, dtype="bfloat16")
     with pytest.raises(ValueError, match="bytes of shared memory"):
         pp.paged_attention(*problem.jax(), impl="mosaic", interpret=True,
-                           config=M(block_kv=128, num_stages=3))
+                           config=M(block_kv=128, num_stages=2))
     with pytest.raises(ValueError, match="config"):
         pp.paged_attention(*problem.jax(), impl="mosaic", interpret=True,
                            config=pp.AttentionConfig())
@@ -270,3 +270,43 @@ def test_compiled_against_xla(rng, seqs):
     assert np.isfinite(got).all()
     bound = 4 * ATOL["bfloat16"] * max(1.0, np.abs(want).max())
     assert np.abs(got - want).max() <= bound, (np.abs(got - want).max(), bound)
+
+
+# --- lowered for CUDA (no GPU needed) -------------------------------------------------------------
+
+@needs_kernel_api
+@pytest.mark.parametrize("head_dim,config,options", [
+    (128, PING_PONG, True),
+    (128, M(block_kv=64, num_stages=3, num_consumers=2), False),
+    (64, TWO_PLAIN, False),
+    (192, ONE_CONSUMER, True),
+    (128, M(block_kv=128, num_stages=2, num_consumers=1, ping_pong=False), False),
+])
+def test_lowers_for_cuda_with_the_shared_memory_its_model_says(monkeypatch, head_dim, config,
+                                                               options):
+    """The compiled kernel lowers for CUDA on any machine (Mosaic GPU's layout inference and
+    shared-memory planning run there), and `mosaic_gpu.smem_bytes`, which decides which configs
+    fit, equals the dynamic shared memory the lowered kernel asks for, byte for byte."""
+    mgpu_core = pytest.importorskip("jax.experimental.mosaic.gpu.core")
+    if not hasattr(mgpu_core, "_smem_tree_size"):
+        pytest.skip("this jax's Mosaic GPU does not size shared memory in _smem_tree_size")
+    monkeypatch.setattr(mosaic_gpu, "check_device", lambda interpret: None)
+    asked = []
+    size = mgpu_core._smem_tree_size
+    monkeypatch.setattr(mgpu_core, "_smem_tree_size", lambda tree: asked.append(size(tree))
+                        or asked[-1])
+    S = jax.ShapeDtypeStruct
+    args = (S((300, 32, head_dim), jnp.bfloat16), *[S((500, 16, 8, head_dim), jnp.bfloat16)] * 2,
+            S((4, 64), jnp.int32), S((4,), jnp.int32), S((5,), jnp.int32))
+    extra = (S((32,), jnp.float32),) * 2 if options else ()
+
+    def fn(*a):
+        more = dict(alibi_slopes=a[6], sinks=a[7], logits_soft_cap=30.0,
+                    sliding_window=100) if options else {}
+        return pp.paged_attention(*a[:6], impl="mosaic", interpret=False, config=config,
+                                  check_values=False, **more)
+
+    text = jax.jit(fn).trace(*args, *extra).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert mosaic_gpu.KERNEL_NAME in text
+    assert asked[0] == mosaic_gpu.smem_bytes(head_dim, jnp.bfloat16, config)

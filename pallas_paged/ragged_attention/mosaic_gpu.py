@@ -53,7 +53,7 @@ Safety, by construction (values cannot raise under jit):
 Supported (anything else is a ValueError naming the argument and the way out):
 
 - bf16 / fp16 queries and caches of the query's dtype (fp8 caches: ``impl="pallas"``);
-- ``head_dim`` 64, 128, 192 or 256; ``block_size`` a multiple of 8 that divides ``block_kv`` or
+- ``head_dim`` 64, 128 or 192 (256: ``impl="pallas"``); ``block_size`` a multiple of 8 that divides ``block_kv`` or
   is a multiple of it; any GQA group;
 - soft-cap, ALiBi, sliding window, sinks, ``return_lse``, the fused cache;
 - jax >= 0.11.2 and compute capability 9.0 or later, or Mosaic GPU's interpret mode anywhere.
@@ -76,11 +76,14 @@ from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfi
 from pallas_paged.ragged_attention.tiles import kv_tile_plan
 
 MMA_ROWS = 64  # a consumer's query tile: wgmma's M, 64 tokens of one query head
-SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
+# head_dim 256 lowers through Mosaic GPU's layout inference without an end (jax 0.12.1): refused.
+SUPPORTED_HEAD_DIMS = (64, 128, 192)
 KERNEL_NAME = "pallas_paged_ragged_mosaic"
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-V_FIX_ROWS = 32  # rows of a V tile the consumer checks for non-finite values at once
+# Shared memory Mosaic GPU's kernel takes beyond the scratch (as for the decode kernel).
+MOSAIC_OWN_SMEM_BYTES = 2048
+V_FIX_ROWS = 64  # rows of a V tile the consumer checks for non-finite values at once
 # Exact math (exp2, division), as the parity bounds were met with.
 COMPILER_PARAMS = {"approx_math": False}
 
@@ -141,7 +144,10 @@ def smem_bytes(head_dim: int, dtype, config: MosaicAttentionConfig) -> int:
     total += allocated(*[config.num_stages * config.block_kv * head_dim * itemsize] * 2)  # K, V
     total += allocated(consumers * MMA_ROWS * head_dim * itemsize)              # the output
     total += allocated(consumers * MMA_ROWS * 4)                                # lse
-    return total + 8 * (consumers + 4 * config.num_stages + 1) + 2048          # barriers, Mosaic
+    barriers = consumers + 3 * config.num_stages           # q; K, V, free
+    barriers += config.num_stages * (consumers > 1)        # V checked
+    barriers += config.ping_pong and consumers > 1         # the schedule
+    return total + 8 * barriers + MOSAIC_OWN_SMEM_BYTES
 
 
 def check_supported(q, k_cache, config: MosaicAttentionConfig) -> None:
@@ -294,9 +300,9 @@ def _ragged_attention_kernel(
         def _producer():
             if num_consumers > 1:
                 plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-            for c in range(num_consumers):
+            for c in range(num_consumers):  # into the output's staging (see `consumer`)
                 head, _, _, t0_load, _ = consumer_rows(c)
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0_load, MMA_ROWS), head], q_smem.at[c],
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0_load, MMA_ROWS), head], o_smem.at[c],
                                         q_bars.at[c])
 
             @pl.loop(0, steps)
@@ -323,11 +329,12 @@ def _ragged_attention_kernel(
         def fix_values(slot, kv_tile):
             """Non-finite V entries at positions not every row of the CTA sees, zeroed in stage
             ``slot`` (a masked tile): a row whose weight for them is 0 would get ``0 * NaN``."""
+            shape = (V_FIX_ROWS, head_dim)
             for r in range(0, block_kv, V_FIX_ROWS):
                 rows = v_smem.at[slot, pl.ds(r, V_FIX_ROWS)]
-                v = rows[...].astype(jnp.float32)
-                pos = (kv_tile * block_kv + r
-                       + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0))
+                v = plgpu.load(rows, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                pos = kv_tile * block_kv + r + plgpu.broadcasted_iota(
+                    jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
                 keep = ((pos >= shared_lo) & (pos < shared_hi)) | (jnp.abs(v) < jnp.inf)
                 rows[...] = jnp.where(keep, v, 0.0).astype(v_smem.dtype)
             plgpu.commit_smem()
@@ -401,7 +408,12 @@ def _ragged_attention_kernel(
                 plgpu.barrier_arrive(free_bars.at[slot])
                 return acc, m_next, l_next
 
+            # The query tile lands in the output's untiled staging (a TMA copy into the tiled,
+            # swizzled wgmma operand needs a start row that is a multiple of 8; a sequence's
+            # first token can be any row), and moves to the operand through registers.
             plgpu.barrier_wait(q_bars.at[c])
+            q_smem[c] = plgpu.load(o_smem.at[c], layout=plgpu.Layout.WGMMA)
+            plgpu.commit_smem()
             if ping_pong and c == 1:
                 schedule_turn()  # the second consumer starts one turn behind the first
             carry = (plgpu.layout_cast(jnp.zeros((MMA_ROWS, head_dim), jnp.float32),
