@@ -30,7 +30,8 @@ from benchmarks.timing import (SMOKE_TIMER, TimerSettings, copy_summary, describ
                                matmul_summary, measure, measure_copy_bandwidth,
                                measure_matmul_peak)
 from pallas_paged import AttentionConfig, DecodeConfig, MosaicDecodeConfig
-from pallas_paged._platform import has_gpu, sm_count
+from pallas_paged._platform import device_kind, has_gpu, sm_count
+from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfig
 
 REL_TOL = 2e-2              # relative L2 error above which an output is WRONG (bf16: ~4e-3)
 COPY_BYTES = 4 * 2**30      # the copy ceiling's buffer
@@ -208,6 +209,54 @@ def exit_status(rows: list[dict]) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
+# impl="auto": which kernel each shape class should run, from a run's rows
+
+IMPL_MARGIN = 1.02  # an IMPL_CHOICE entry: Mosaic at least this much faster on every shape
+
+
+def auto_choice(shapes, rows: list[dict], interpret: bool, *, select, key, counts) -> tuple:
+    """Per shape, the kernel ``impl="auto"`` picks now (``select(shape)``: ``(impl, config)``)
+    and this run's Triton time over the Mosaic one; and the ``IMPL_CHOICE`` entries the run
+    supports: ``"mosaic"`` for each shape class (``key(shape)``) where that ratio is at least
+    `IMPL_MARGIN` on every shape of the class that ``counts(shape)``; none in interpret mode
+    (its times say nothing). Returns ``(picks, choice)``."""
+    picks, ratios = [], {}
+    for shape in shapes:
+        impl, config = select(shape)
+        times = {r["impl"]: r["median_us"] for r in rows
+                 if r["shape"] == shape.name and timed(r)}
+        ratio = times["pallas"] / times["mosaic"] if {"pallas", "mosaic"} <= times.keys() else None
+        picks.append({"shape": shape.name, "class": key(shape), "auto": impl,
+                      "config": config_label(config), "pallas_over_mosaic": ratio})
+        if ratio is not None and counts(shape):
+            ratios.setdefault(key(shape), []).append(ratio)
+    choice = {k: "mosaic" for k, found in ratios.items()
+              if min(found) >= IMPL_MARGIN and not interpret}
+    return picks, choice
+
+
+def print_auto(picks: list[dict], choice: dict, interpret: bool, *, where: str,
+               key_comment: str) -> None:
+    """`auto_choice`'s picks, and (compiled runs) its entries in the bare form of the
+    ``IMPL_CHOICE`` table in ``where``, under a comment naming the key."""
+    print("\nimpl='auto' per shape (pallas/mosaic: the Triton time over the Mosaic time):")
+    for pick in picks:
+        ratio = pick["pallas_over_mosaic"]
+        print(f"  {pick['shape']:<32} {pick['auto']:<7} {pick['config']:<36}"
+              f" {'-' if ratio is None else f'{ratio:.3f}'}")
+    if not interpret:
+        print(f"\nIMPL_CHOICE entries this run supports ({where}):\n"
+              + impl_choice_snippet(choice, key_comment))
+
+
+def impl_choice_snippet(choice: dict, key_comment: str) -> str:
+    """``choice`` in the bare form of an ``IMPL_CHOICE`` table, this device kind's entry."""
+    lines = [f"    # {key_comment}: the kernel", f"    {source(device_kind())}: {{"]
+    lines += [f"        {source(k)}: {source(impl)}," for k, impl in choice.items()]
+    return "\n".join(lines + ["    },"])
+
+
+# ----------------------------------------------------------------------------------------------
 # Config labels: "bk64/s2/w4/st5/pr1", one part per field, a prefix and an integer (flags 0 or 1)
 
 
@@ -220,6 +269,8 @@ LABEL_PARTS = {
                          "vp": "fp8_v_in_producer", "ps": "persistent"},
     AttentionConfig: {"bq": "block_q", "sq": "short_block_q", "bk": "block_k", "s": "num_splits",
                       "w": "num_warps", "st": "num_stages", "pr": "fp8_pairs"},
+    MosaicAttentionConfig: {"bkv": "block_kv", "st": "num_stages", "c": "num_consumers",
+                            "pp": "ping_pong"},
 }
 
 

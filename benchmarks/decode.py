@@ -42,14 +42,12 @@ from benchmarks.shapes import (DECODE_SHAPES, DECODE_SMOKE, fuse_caches, make_de
                                rotation_copies)
 from benchmarks.timing import loop_reps, per_call, straight_line
 from pallas_paged import decode, decode_fused
-from pallas_paged._platform import device_kind
 from pallas_paged.decode_attention.api import decode_shape, select_kernel
 from pallas_paged.decode_attention.shape import shape_class
 
 IMPLS = ("pallas", "mosaic", "xla", "jax", "pallas_fused", "mosaic_fused")
 DEFAULT_IMPLS = ("pallas", "mosaic", "xla", "jax")
 XLA_LIMIT_BYTES = 30e9   # skip impl="xla" where its gathered fp32 K/V would pass this
-IMPL_MARGIN = 1.02       # an IMPL_CHOICE entry: Mosaic at least this much faster on every shape
 # JAX's paged_attention configs tried, (k_splits, pages_per_compute_block, num_warps): its
 # defaults first; those valid for the shape, at most JAX_CONFIGS of them.
 JAX_CANDIDATES = ((16, 8, 8), (8, 8, 4), (4, 16, 4), (1, 16, 4), (16, 4, 4), (2, 8, 4))
@@ -173,34 +171,18 @@ def bench_shape(shape, impls, s, interpret: bool, copy_tbps: float, smoke: bool)
     return rows
 
 
-def auto_choice(shapes, rows: list[dict], interpret: bool) -> tuple[list[dict], dict]:
-    """Per shape, the kernel ``impl="auto"`` picks (`select_kernel`) and this run's Triton time
-    over the Mosaic one; and the ``IMPL_CHOICE`` entries the run supports: ``"mosaic"`` for each
-    class where that ratio is at least `IMPL_MARGIN` on every shape of the class without a
-    window (a class has no window: it also covers full attention); none in interpret mode."""
-    picks, ratios = [], {}
-    for shape in shapes:
-        impl, config = select_kernel(*shape.abstract_args(), impl="auto", config=None,
-                                     interpret=interpret)
-        key = shape_class(decode_shape(*shape.abstract_args()))
-        times = {r["impl"]: r["median_us"] for r in rows
-                 if r["shape"] == shape.name and _cli.timed(r)}
-        ratio = times["pallas"] / times["mosaic"] if {"pallas", "mosaic"} <= times.keys() else None
-        picks.append({"shape": shape.name, "class": key, "auto": impl,
-                      "config": _cli.config_label(config), "pallas_over_mosaic": ratio})
-        if ratio is not None and shape.sliding_window is None:
-            ratios.setdefault(key, []).append(ratio)
-    choice = {key: "mosaic" for key, found in ratios.items()
-              if min(found) >= IMPL_MARGIN and not interpret}  # interpret-mode times say nothing
-    return picks, choice
+KEY_COMMENT = "(cache dtype, head_dim, group, block_size, batch, capacity)"
 
 
-def impl_choice_snippet(choice: dict) -> str:
-    """``choice`` in the bare form of ``IMPL_CHOICE`` in decode_attention/api.py."""
-    lines = ["    # (cache dtype, head_dim, group, block_size, batch, capacity): the kernel",
-             f"    {_cli.source(device_kind())}: {{"]
-    lines += [f"        {_cli.source(key)}: {_cli.source(impl)}," for key, impl in choice.items()]
-    return "\n".join(lines + ["    },"])
+def auto_choice(shapes, rows: list[dict], interpret: bool) -> tuple:
+    """`_cli.auto_choice` for decode shapes: a class has no window (it also covers full
+    attention), so windowed shapes do not decide."""
+    return _cli.auto_choice(
+        shapes, rows, interpret,
+        select=lambda shape: select_kernel(*shape.abstract_args(), impl="auto", config=None,
+                                           interpret=interpret),
+        key=lambda shape: shape_class(decode_shape(*shape.abstract_args())),
+        counts=lambda shape: shape.sliding_window is None)
 
 
 def main(argv=None) -> int:
@@ -223,14 +205,8 @@ def main(argv=None) -> int:
     doc.update(auto=picks, impl_choice={_cli.source(k): v for k, v in choice.items()})
     _cli.write_json(args.json, doc)
     print("\n" + _cli.table(doc["rows"], COLUMNS))
-    print("\nimpl='auto' per shape (pallas/mosaic: the Triton time over the Mosaic time):")
-    for pick in picks:
-        ratio = pick["pallas_over_mosaic"]
-        print(f"  {pick['shape']:<24} {pick['auto']:<7} {pick['config']:<36}"
-              f" {'-' if ratio is None else f'{ratio:.3f}'}")
-    if not interpret:
-        print("\nIMPL_CHOICE entries this run supports (pallas_paged/decode_attention/api.py):\n"
-              + impl_choice_snippet(choice))
+    _cli.print_auto(picks, choice, interpret, where="pallas_paged/decode_attention/api.py",
+                    key_comment=KEY_COMMENT)
     return _cli.exit_status(doc["rows"])
 
 

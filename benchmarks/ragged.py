@@ -31,7 +31,8 @@ from benchmarks.shapes import (RAGGED_SHAPES, RAGGED_SMOKE, fuse_caches, make_ra
                                rotation_copies)
 from benchmarks.timing import loop_reps, per_call, straight_line
 from pallas_paged import decode, paged_attention, paged_attention_fused
-from pallas_paged.ragged_attention.api import select_kernel
+from pallas_paged.ragged_attention.api import attention_shape, select_kernel
+from pallas_paged.ragged_attention.shape import shape_class
 
 IMPLS = ("pallas", "mosaic", "xla", "pallas_fused", "mosaic_fused")
 DEFAULT_IMPLS = ("pallas", "mosaic", "xla")
@@ -117,7 +118,18 @@ def main(argv=None) -> int:
     for shape in shapes:
         doc["rows"] += bench_shape(shape, impls, s, interpret, doc["ceilings"], args.smoke)
         _cli.write_json(args.json, doc)
+    picks, choice = _cli.auto_choice(
+        shapes, doc["rows"], interpret,
+        select=lambda shape: select_kernel(*shape.abstract_args()[:3], impl="auto", config=None,
+                                           interpret=interpret),
+        key=lambda shape: shape_class(attention_shape(*shape.abstract_args()[:3])),
+        counts=lambda shape: True)
+    doc.update(auto=picks, impl_choice={_cli.source(k): v for k, v in choice.items()})
+    _cli.write_json(args.json, doc)
     print("\n" + _cli.table(doc["rows"], COLUMNS))
+    _cli.print_auto(picks, choice, interpret, where="pallas_paged/ragged_attention/api.py",
+                    key_comment="(cache dtype, head_dim, group, block_size, batch, num_tokens,"
+                                " capacity)")
     return _cli.exit_status(doc["rows"])
 
 

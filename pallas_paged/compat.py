@@ -44,7 +44,7 @@ def ragged_paged_attention(
     num_kv_pages_per_block: int | None = None,
     num_queries_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
-    impl: str = "pallas",
+    impl: str = "auto",
     interpret: bool | None = None,
 ) -> jax.Array:
     """Ragged paged attention with the signature of JAX's TPU kernel, over the fused layout.
@@ -81,7 +81,8 @@ def ragged_paged_attention(
       mask_value: accepted for the signature; see above.
       num_kv_pages_per_block, num_queries_per_block, vmem_limit_bytes: the TPU kernel's tuning
         arguments, accepted and ignored (the GPU kernel picks its own tiles).
-      impl, interpret: as `pallas_paged.paged_attention` (``"pallas"`` or ``"xla"``).
+      impl, interpret: as `pallas_paged.paged_attention` (``"auto"``, ``"pallas"``, ``"mosaic"``
+        or ``"xla"``).
 
     Returns:
       ``[max_num_batched_tokens, num_q_heads, head_dim]`` in ``queries.dtype``.

@@ -450,7 +450,7 @@ def test_impl_choice_takes_mosaic_only_where_it_won_every_shape_of_a_class():
     assert choice == {("bfloat16", 64, 4, 16, 32, 4096): "mosaic"}  # b64: one shape lost
     assert [p["pallas_over_mosaic"] for p in picks] == pytest.approx([75 / 70, 500 / 480,
                                                                       259 / 262])
-    text = decode.impl_choice_snippet(choice)
+    text = _cli.impl_choice_snippet(choice, decode.KEY_COMMENT)
     namespace = {}
     exec("IMPL_CHOICE = {\n" + text + "\n}", namespace)  # noqa: S102 - our own generated code
     assert namespace["IMPL_CHOICE"] == {jax.devices()[0].device_kind: choice}

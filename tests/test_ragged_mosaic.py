@@ -1,7 +1,8 @@
 """`paged_attention(..., impl="mosaic")`, the Mosaic GPU ragged kernel, against the float64 oracle
 within the tolerance rule: mixed batches, every config shape (one or two consumers, ping-pong,
 odd groups), every option, page sizes, head dims, the fused cache, the SPEC invariants I8-I9;
-its work list and lse gather (plain XLA, every jax); its refusals.
+its work list and lse gather (plain XLA, every jax); its refusals; its lowering for CUDA with the
+shared memory its model says; ``impl="auto"``'s choice.
 
 On a CPU the kernel runs in Mosaic GPU's interpret mode, so the shapes are small; on a GPU the
 same tests run the compiled kernel, and the ``gpu`` tests add realistic shapes. jax < 0.11.2 has
@@ -18,8 +19,9 @@ import pytest
 import pallas_paged as pp
 from paged_inputs import assert_close, bits, jax_options, make_ragged, reference, to_numpy
 from pallas_paged import _mosaic_common
-from pallas_paged.ragged_attention import mosaic_gpu
+from pallas_paged.ragged_attention import api, mosaic_gpu
 from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfig as M
+from pallas_paged.ragged_attention.shape import shape_class
 from parity.tolerance import ATOL
 
 KERNEL_API = _mosaic_common.jax_version() >= _mosaic_common.MIN_JAX
@@ -310,3 +312,59 @@ def test_lowers_for_cuda_with_the_shared_memory_its_model_says(monkeypatch, head
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
     assert mosaic_gpu.KERNEL_NAME in text
     assert asked[0] == mosaic_gpu.smem_bytes(head_dim, jnp.bfloat16, config)
+
+
+# --- impl="auto" ---------------------------------------------------------------------------------
+
+def _abstract(head_dim=128, dtype=jnp.bfloat16):
+    S = jax.ShapeDtypeStruct
+    return (S((300, 32, head_dim), dtype), *[S((500, 16, 8, head_dim), dtype)] * 2,
+            S((4, 64), jnp.int32), S((4,), jnp.int32), S((5,), jnp.int32))
+
+
+@pytest.fixture
+def mosaic_measured_faster(monkeypatch):
+    """A table that prefers Mosaic for the classes of `_abstract`'s shapes on this device kind."""
+    classes = {shape_class(api.attention_shape(a[0], a[1], a[3])): "mosaic"
+               for a in (_abstract(), _abstract(head_dim=32), _abstract(dtype=jnp.float32))}
+    monkeypatch.setattr(api, "IMPL_CHOICE", {api.device_kind(): classes})
+
+
+def test_auto_picks_mosaic_only_where_the_table_says_and_it_can_run_compiled(
+        mosaic_measured_faster, monkeypatch):
+    monkeypatch.setattr(mosaic_gpu, "check_device", lambda interpret: None)  # as on sm_90
+    monkeypatch.setattr(_mosaic_common, "jax_version", lambda: _mosaic_common.MIN_JAX)
+
+    def picked(args, interpret=False, config=None):
+        return api.select_kernel(args[0], args[1], args[3], impl="auto", config=config,
+                                 interpret=interpret)[0]
+
+    assert picked(_abstract()) == "mosaic"
+    assert picked(_abstract(), interpret=True) == "pallas"        # never interpreted
+    assert picked(_abstract(head_dim=32)) == "pallas"             # a shape it refuses
+    assert picked(_abstract(dtype=jnp.float32)) == "pallas"
+    assert picked(_abstract(head_dim=64)) == "pallas"             # a class not in the table
+    assert picked(_abstract(), config=pp.AttentionConfig()) == "pallas"
+    assert picked(_abstract(head_dim=64), config=M()) == "mosaic"  # a config names its kernel
+    with pytest.raises(ValueError, match="config must be"):
+        picked(_abstract(), config=object())
+
+
+@needs_kernel_api
+def test_auto_lowers_to_the_mosaic_kernel_where_the_table_picks_it(mosaic_measured_faster,
+                                                                  monkeypatch):
+    """The whole path, `paged_attention`'s default compiled for CUDA: one Mosaic GPU kernel."""
+    monkeypatch.setattr(mosaic_gpu, "check_device", lambda interpret: None)
+    fn = lambda *a: pp.paged_attention(*a, interpret=False, check_values=False)  # noqa: E731
+    text = jax.jit(fn).trace(*_abstract()).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert mosaic_gpu.KERNEL_NAME in text and "xla.gpu.triton" not in text
+
+
+def test_auto_is_the_triton_kernel_without_a_table_entry(rng):
+    problem = make_ragged(rng, [(5, 12), (1, 3)], pad=1, num_heads=4, num_kv_heads=2,
+                          head_dim=64, block_size=16, dtype="bfloat16")
+    auto = pp.paged_attention(*problem.jax(), return_lse=True)
+    pallas = pp.paged_attention(*problem.jax(), impl="pallas", return_lse=True)
+    for a, b in zip(auto, pallas):
+        np.testing.assert_array_equal(bits(a), bits(b))

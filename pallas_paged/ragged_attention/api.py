@@ -2,8 +2,9 @@
 
 Implementations: ``impl="pallas"`` (``pallas_triton.py``, a Pallas kernel lowered through Triton on
 GPU, interpret mode elsewhere), ``impl="mosaic"`` (``mosaic_gpu.py``, a Mosaic GPU kernel for
-Hopper and later) and ``impl="xla"`` (``xla.py``, plain jnp). `select_kernel` makes every choice
-of a call, once. `torch_ref` defines the semantics (SPEC.md, "Ragged paged
+Hopper and later) and ``impl="xla"`` (``xla.py``, plain jnp). ``impl="auto"``, the default, picks
+one of the two kernels per shape class (`IMPL_CHOICE`). `select_kernel` makes every choice of a
+call, once. `torch_ref` defines the semantics (SPEC.md, "Ragged paged
 attention").
 """
 
@@ -26,10 +27,14 @@ from pallas_paged.ragged_attention.mosaic_gpu import paged_attention_mosaic
 from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfig
 from pallas_paged.ragged_attention.pallas_triton import paged_attention_pallas
 from pallas_paged.ragged_attention.pallas_triton_config import AttentionConfig
-from pallas_paged.ragged_attention.shape import AttentionShape
+from pallas_paged.ragged_attention.shape import AttentionShape, shape_class
 from pallas_paged.ragged_attention.xla import paged_attention_xla
 
-ATTENTION_IMPLS = ("pallas", "xla", "mosaic")
+ATTENTION_IMPLS = ("auto", "pallas", "xla", "mosaic")
+
+# device kind -> shape class (`shape_class`) -> the kernel ``impl="auto"`` runs there: the one that
+# measured faster (`python -m benchmarks.ragged --impls pallas,mosaic`); "pallas" elsewhere.
+IMPL_CHOICE: dict[str, dict[tuple, str]] = {}
 
 
 def attention_shape(q, k_cache, block_tables) -> AttentionShape:
@@ -43,10 +48,19 @@ def attention_shape(q, k_cache, block_tables) -> AttentionShape:
 
 
 def select_kernel(q, k_cache, block_tables, *, impl: str, config, interpret: bool):
-    """What a `paged_attention` call runs: ``(impl, config)``, ``config`` the kernel's (the given
-    one, else the tuned table's entry for the call's shape class on this device kind, else the
-    heuristic's: `pallas_triton_config.lookup`, `mosaic_gpu_config.lookup_mosaic`), None for
-    ``"xla"``. Reads only ``.shape`` and ``.dtype`` of the arrays (it runs at trace time).
+    """What a `paged_attention` call runs: ``(impl, config)`` with ``impl`` one of ``"pallas"``,
+    ``"mosaic"``, ``"xla"`` and ``config`` the kernel's (None for ``"xla"``).
+
+    - An explicit ``config`` is kept; with ``impl="auto"`` its type names the kernel
+      (`AttentionConfig`: ``"pallas"``, `MosaicAttentionConfig`: ``"mosaic"``).
+    - ``impl="auto"`` without one: ``"mosaic"`` where `IMPL_CHOICE` names it for the call's shape
+      class on this device kind and the Mosaic kernel can run the call compiled (not in
+      ``interpret`` mode, jax >= 0.11.2, sm_90+, a shape it takes: `mosaic_gpu.refusal`);
+      ``"pallas"`` everywhere else, a CPU (interpret mode) included.
+    - Without a config, the kernel's tuned entry for the shape class on this device kind, else its
+      heuristic's (`pallas_triton_config.lookup`, `mosaic_gpu_config.lookup_mosaic`).
+
+    Reads only ``.shape`` and ``.dtype`` of the arrays (it runs at trace time).
 
     Raises:
       ValueError: a ``config`` of the wrong type for ``impl``, or ``impl="mosaic"`` where the
@@ -55,15 +69,31 @@ def select_kernel(q, k_cache, block_tables, *, impl: str, config, interpret: boo
     if impl == "xla":
         return "xla", None
     shape = attention_shape(q, k_cache, block_tables)
+    kind = device_kind()
+    if impl == "auto":
+        if isinstance(config, MosaicAttentionConfig):
+            impl = "mosaic"
+        elif isinstance(config, AttentionConfig):
+            impl = "pallas"
+        elif config is not None:
+            raise ValueError(f"config must be an AttentionConfig, a MosaicAttentionConfig or None"
+                             f" for impl='auto', got {type(config).__name__}")
+        elif IMPL_CHOICE.get(kind, {}).get(shape_class(shape)) == "mosaic" and not interpret:
+            config = mosaic_gpu_config.lookup_mosaic(shape, kind)
+            if mosaic_gpu.refusal(q, k_cache, config, interpret=False) is None:
+                return "mosaic", config
+            config = None
+        if impl == "auto":
+            impl = "pallas"
     if impl == "mosaic":
         _validation.check_config_type(config, MosaicAttentionConfig, impl)
-        config = config or mosaic_gpu_config.lookup_mosaic(shape, device_kind())
+        config = config or mosaic_gpu_config.lookup_mosaic(shape, kind)
         reason = mosaic_gpu.refusal(q, k_cache, config, interpret)
         if reason is not None:
             raise ValueError(reason)
         return "mosaic", config
     _validation.check_config_type(config, AttentionConfig, impl)
-    return "pallas", config or pallas_triton_config.lookup(shape, device_kind(), sm_count())
+    return "pallas", config or pallas_triton_config.lookup(shape, kind, sm_count())
 
 
 @without_triton_deprecation
@@ -83,7 +113,7 @@ def paged_attention(
     k_scale: float | jax.Array | None = None,
     v_scale: float | jax.Array | None = None,
     return_lse: bool = False,
-    impl: str = "pallas",
+    impl: str = "auto",
     interpret: bool | None = None,
     config: AttentionConfig | MosaicAttentionConfig | None = None,
     check_values: bool = True,
@@ -130,8 +160,10 @@ def paged_attention(
       k_scale, v_scale: per-tensor dequantization scales of an fp8 cache: python floats or
         float32 arrays of shape ``()`` / ``(1,)`` (operands: one program serves every scale).
       return_lse: also return ``lse f32[num_tokens, num_heads]`` (``-inf`` for padding rows).
-      impl: ``"pallas"`` (the Triton kernel), ``"mosaic"`` (the Mosaic GPU kernel: Hopper, jax
-        >= 0.11.2, 16-bit caches; `mosaic_gpu.check_supported` says what else) or ``"xla"``
+      impl: ``"auto"`` (the kernel `select_kernel` picks: the measured-faster one per shape
+        class, `IMPL_CHOICE`), ``"pallas"`` (the Triton kernel), ``"mosaic"`` (the Mosaic GPU
+        kernel: Hopper, jax >= 0.11.2, 16-bit caches; `mosaic_gpu.check_supported` says what
+        else) or ``"xla"``
         (plain jnp, for small problems: it holds ``f32[num_tokens, max_blocks * block_size,
         num_kv_heads, head_dim]`` for K and for V).
       interpret: Pallas interpret mode; None means exactly when there is no GPU backend.
@@ -181,7 +213,7 @@ def paged_attention_fused(
     k_scale: float | jax.Array | None = None,
     v_scale: float | jax.Array | None = None,
     return_lse: bool = False,
-    impl: str = "pallas",
+    impl: str = "auto",
     interpret: bool | None = None,
     config: AttentionConfig | MosaicAttentionConfig | None = None,
     check_values: bool = True,
