@@ -286,8 +286,12 @@ def test_compat_under_jit_with_a_traced_num_seqs(rng):
     args = tpu_batch(rng, dtype="bfloat16", num_seqs=5)
     run = jax.jit(functools.partial(ragged_paged_attention, sm_scale=0.125))
     first = run(*map(jnp.asarray, args[:5]), jnp.array([5], jnp.int32))
+    # (a first call in a fresh process can change the tracing context, e.g. a config set on
+    # first use: count the programs from the second call on)
     fewer = run(*map(jnp.asarray, args[:5]), jnp.array([2], jnp.int32))
-    assert run._cache_size() == 1
+    programs = run._cache_size()
+    run(*map(jnp.asarray, args[:5]), jnp.array([3], jnp.int32))
+    assert run._cache_size() == programs
     cu = args[4]
     np.testing.assert_array_equal(bits(fewer)[:cu[2]], bits(first)[:cu[2]])
     assert (to_numpy(fewer)[cu[2]:].astype(np.float32) == 0).all()
