@@ -62,8 +62,8 @@ def every_option(rng, num_heads):
 @needs_kernel_api
 @pytest.mark.parametrize("dtype,config,heads", [
     ("bfloat16", None, (4, 2)),
-    ("float16", PING_PONG, (8, 2)),
-    ("bfloat16", ONE_CONSUMER, (4, 2)),
+    pytest.param("float16", PING_PONG, (8, 2), marks=SLOW),
+    pytest.param("bfloat16", ONE_CONSUMER, (4, 2), marks=SLOW),
     pytest.param("bfloat16", TWO_PLAIN, (3, 1), marks=SLOW),   # group 3: two token halves
     pytest.param("bfloat16", PING_PONG, (2, 2), marks=SLOW),   # MHA: two token halves
     pytest.param("float16", TWO_PLAIN, (6, 2), marks=SLOW),
@@ -79,7 +79,7 @@ def test_mixed_batch_matches_the_truth(rng, dtype, config, heads):
 @needs_kernel_api
 @pytest.mark.parametrize("which", [
     "all", pytest.param("logits_soft_cap", marks=SLOW), pytest.param("alibi_slopes", marks=SLOW),
-    "sliding_window", pytest.param("sinks", marks=SLOW)])
+    pytest.param("sliding_window", marks=SLOW), pytest.param("sinks", marks=SLOW)])
 def test_options_match_the_truth(rng, which):
     every = every_option(rng, 4)
     options = every if which == "all" else {which: every[which]}
@@ -90,10 +90,10 @@ def test_options_match_the_truth(rng, which):
 
 @needs_kernel_api
 @pytest.mark.parametrize("block_size,config", [
-    (16, ONE_CONSUMER),
+    pytest.param(16, ONE_CONSUMER, marks=SLOW),
     pytest.param(8, PING_PONG, marks=SLOW),
     pytest.param(32, TWO_PLAIN, marks=SLOW),
-    (128, TWO_PLAIN),                         # a page larger than a tile: one slice of it
+    pytest.param(128, TWO_PLAIN, marks=SLOW),  # a page larger than a tile: one slice of it
     pytest.param(256, PING_PONG, marks=SLOW),
 ])
 def test_page_sizes(rng, block_size, config):
@@ -103,7 +103,7 @@ def test_page_sizes(rng, block_size, config):
 
 
 @needs_kernel_api
-@pytest.mark.parametrize("head_dim", [128, pytest.param(192, marks=SLOW)])
+@pytest.mark.parametrize("head_dim", [pytest.param(128, marks=SLOW), pytest.param(192, marks=SLOW)])
 def test_head_dims(rng, head_dim):
     problem = make_ragged(rng, [(9, 30), (1, 7)], num_heads=4, num_kv_heads=2, head_dim=head_dim,
                           block_size=16, dtype="bfloat16")
@@ -279,10 +279,11 @@ def test_compiled_against_xla(rng, seqs):
 @needs_kernel_api
 @pytest.mark.parametrize("head_dim,config,options", [
     (128, PING_PONG, True),
-    (128, M(block_kv=64, num_stages=3, num_consumers=2), False),
-    (64, TWO_PLAIN, False),
+    pytest.param(128, M(block_kv=64, num_stages=3, num_consumers=2), False, marks=SLOW),
+    pytest.param(64, TWO_PLAIN, False, marks=SLOW),
     (192, ONE_CONSUMER, True),
-    (128, M(block_kv=128, num_stages=2, num_consumers=1, ping_pong=False), False),
+    pytest.param(128, M(block_kv=128, num_stages=2, num_consumers=1, ping_pong=False), False,
+                 marks=SLOW),
 ])
 def test_lowers_for_cuda_with_the_shared_memory_its_model_says(monkeypatch, head_dim, config,
                                                                options):
