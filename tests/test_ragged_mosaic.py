@@ -111,6 +111,7 @@ def test_head_dims(rng, head_dim):
 
 
 @needs_kernel_api
+@SLOW
 def test_fused_cache_gives_the_same_bits(rng):
     """`paged_attention_fused` reads the interleaved rows in place: the same bits as the pair."""
     problem = make_ragged(rng, [(20, 40), (1, 9)], pad=1, num_heads=4, num_kv_heads=2,
@@ -149,6 +150,7 @@ def test_i8_later_positions_are_never_seen(rng, with_options):
 
 
 @needs_kernel_api
+@SLOW
 def test_i9_padding_rows_are_zeros_and_disturb_nothing(rng):
     problem = make_ragged(rng, [(5, 12), (1, 3), (3, 9)], pad=70, num_heads=4, num_kv_heads=2,
                           head_dim=64, block_size=16, dtype="bfloat16")
