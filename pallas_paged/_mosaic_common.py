@@ -146,3 +146,61 @@ def with_optional_operands(body, num_fixed: int, optional: dict):
              *refs[num_fixed + len(present):])
 
     return kernel_body, [optional[name] for name in present]
+
+
+def check_query_dtype(q) -> None:
+    """ValueError unless ``q`` is bf16 or fp16 (fp32 would run the tensor cores in TF32)."""
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(
+            f"impl='mosaic' takes bf16 or fp16 queries, got q.dtype={jnp.dtype(q.dtype)} (fp32"
+            " would run the tensor cores in TF32): use impl='pallas' or impl='xla' for fp32")
+
+
+def check_head_dim(q, supported: tuple) -> None:
+    """ValueError unless ``q``'s head_dim is one of ``supported``."""
+    head_dim = q.shape[2]
+    if head_dim not in supported:
+        raise ValueError(f"impl='mosaic' supports head_dim in {supported}, got"
+                         f" {q.shape=} (head_dim={head_dim}): use impl='pallas'")
+
+
+def check_pages_fit_tiles(k_cache, tile: int, tile_name: str) -> None:
+    """ValueError unless the cache's block_size is a multiple of 8 (a TMA copy's rows into a
+    tiled operand) that divides the kernel's K/V tile of ``tile`` tokens (config field
+    ``tile_name``) or is a multiple of it: a tile is whole pages, or one slice of a page."""
+    block_size = k_cache.shape[1]
+    if block_size % 8 or (tile % block_size and block_size % tile):
+        raise ValueError(
+            f"impl='mosaic' needs block_size a multiple of 8 that divides {tile_name}={tile} or"
+            f" is a multiple of it, got {k_cache.shape=} (block_size={block_size}): use"
+            " impl='pallas'")
+
+
+def auto_kernel(config, *, triton_type: type, mosaic_type: type, measured_faster: bool,
+                interpret: bool, mosaic_config, refusal) -> tuple[str, object]:
+    """``impl="auto"``'s kernel, for an op with a Triton and a Mosaic GPU kernel: ``(impl,
+    config)``, ``impl`` ``"pallas"`` or ``"mosaic"``, ``config`` None where the caller's lookup
+    should pick one.
+
+    A ``config`` names its kernel by its type (``triton_type`` or ``mosaic_type``). Without one,
+    the Mosaic kernel where a run measured it faster for the call's shape class
+    (``measured_faster``) and it can run the call compiled (not in ``interpret`` mode, and
+    ``refusal(mosaic_config())`` is None); the Triton kernel everywhere else.
+
+    Raises:
+      ValueError: a ``config`` of neither type.
+    """
+    if isinstance(config, mosaic_type):
+        return "mosaic", config
+    if isinstance(config, triton_type):
+        return "pallas", config
+    if config is not None:
+        def named(t):
+            return f"{'an' if t.__name__[0] in 'AEIOU' else 'a'} {t.__name__}"
+        raise ValueError(f"config must be {named(triton_type)}, {named(mosaic_type)} or None"
+                         f" for impl='auto', got {type(config).__name__}")
+    if measured_faster and not interpret:
+        chosen = mosaic_config()
+        if refusal(chosen) is None:
+            return "mosaic", chosen
+    return "pallas", None

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from pallas_paged import _validation
 from pallas_paged._attention_common import split_kv_cache
 from pallas_paged._fp8 import scale_operand
-from pallas_paged._mosaic_common import warn_if_interpret_may_stall
+from pallas_paged._mosaic_common import auto_kernel, warn_if_interpret_may_stall
 from pallas_paged._platform import (device_kind, resolve_interpret, sm_count,
                                     without_triton_deprecation)
 from pallas_paged.decode_attention import mosaic_gpu, mosaic_gpu_config, pallas_triton_config
@@ -74,20 +74,12 @@ def select_kernel(q, k_cache, block_tables, *, impl: str, config, interpret: boo
     shape = decode_shape(q, k_cache, block_tables)
     kind = device_kind()
     if impl == "auto":
-        if isinstance(config, MosaicDecodeConfig):
-            impl = "mosaic"
-        elif isinstance(config, DecodeConfig):
-            impl = "pallas"
-        elif config is not None:
-            raise ValueError(f"config must be a DecodeConfig, a MosaicDecodeConfig or None for"
-                             f" impl='auto', got {type(config).__name__}")
-        elif (IMPL_CHOICE.get(kind, {}).get(shape_class(shape)) == "mosaic" and not interpret):
-            config = mosaic_gpu_config.lookup_mosaic(shape, kind, sm_count())
-            if mosaic_gpu.refusal(q, k_cache, config, interpret=False) is None:
-                return "mosaic", config
-            config = None
-        if impl == "auto":
-            impl = "pallas"
+        impl, config = auto_kernel(
+            config, triton_type=DecodeConfig, mosaic_type=MosaicDecodeConfig,
+            measured_faster=IMPL_CHOICE.get(kind, {}).get(shape_class(shape)) == "mosaic",
+            interpret=interpret,
+            mosaic_config=lambda: mosaic_gpu_config.lookup_mosaic(shape, kind, sm_count()),
+            refusal=lambda c: mosaic_gpu.refusal(q, k_cache, c, interpret=False))
     config_type = MosaicDecodeConfig if impl == "mosaic" else DecodeConfig
     _validation.check_config_type(config, config_type, impl)
     if impl == "mosaic":

@@ -95,9 +95,10 @@ from pallas_paged._attention_common import (divides, finite_total_max, kv_head_r
                                             merge_splits, num_kv_heads, tile_range)
 from pallas_paged._fp8 import kernel_scale_operands
 from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, PRODUCER_REGISTERS, allocated,
-                                         check_device, check_jax, consumer_registers,
-                                         ctas_per_sm, import_plgpu, mma_smem, mma_swizzle,
-                                         with_optional_operands)
+                                         check_device, check_head_dim, check_jax,
+                                         check_pages_fit_tiles, check_query_dtype,
+                                         consumer_registers, ctas_per_sm, import_plgpu, mma_smem,
+                                         mma_swizzle, with_optional_operands)
 from pallas_paged._platform import sm_count
 from pallas_paged._triton_common import FP16_SAFE_MAX, dot_dtype
 from pallas_paged.decode_attention.mosaic_gpu_config import MosaicDecodeConfig
@@ -470,24 +471,14 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
 def check_supported(q, k_cache, config: MosaicDecodeConfig) -> None:
     """ValueError naming the argument for every shape or dtype this kernel does not handle."""
     _, num_heads, head_dim = q.shape
-    _, block_size, kvh, _ = k_cache.shape
-    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(
-            f"impl='mosaic' takes bf16 or fp16 queries, got q.dtype={jnp.dtype(q.dtype)} (fp32"
-            " would run the tensor cores in TF32): use impl='pallas' or impl='xla' for fp32")
+    kvh = k_cache.shape[2]
+    check_query_dtype(q)
     if jnp.dtype(k_cache.dtype) not in (jnp.dtype(q.dtype), FP8):
         raise ValueError(f"impl='mosaic' takes caches of q's dtype or float8_e4m3fn, got"
                          f" k_cache.dtype={jnp.dtype(k_cache.dtype)} with"
                          f" q.dtype={jnp.dtype(q.dtype)}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"impl='mosaic' supports head_dim in {SUPPORTED_HEAD_DIMS}, got"
-                         f" {q.shape=} (head_dim={head_dim}): use impl='pallas'")
-    block_k = config.block_k
-    if block_size % 8 or (block_k % block_size and block_size % block_k):
-        raise ValueError(
-            f"impl='mosaic' needs block_size a multiple of 8 that divides block_k={block_k} or is"
-            f" a multiple of it, got {k_cache.shape=} (block_size={block_size}): use"
-            " impl='pallas'")
+    check_head_dim(q, SUPPORTED_HEAD_DIMS)
+    check_pages_fit_tiles(k_cache, config.block_k, "block_k")
     need = smem_bytes(head_dim, k_cache.dtype, q.dtype, config, alibi=True,
                       group=max(num_heads // kvh, 1))
     if need > MAX_SMEM_BYTES:

@@ -21,7 +21,7 @@ from pallas_paged._attention_common import split_kv_cache
 from pallas_paged._platform import (device_kind, resolve_interpret, sm_count,
                                     without_triton_deprecation)
 from pallas_paged._fp8 import scale_operand
-from pallas_paged._mosaic_common import warn_if_interpret_may_stall
+from pallas_paged._mosaic_common import auto_kernel, warn_if_interpret_may_stall
 from pallas_paged.ragged_attention import mosaic_gpu, mosaic_gpu_config, pallas_triton_config
 from pallas_paged.ragged_attention.mosaic_gpu import paged_attention_mosaic
 from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfig
@@ -71,20 +71,12 @@ def select_kernel(q, k_cache, block_tables, *, impl: str, config, interpret: boo
     shape = attention_shape(q, k_cache, block_tables)
     kind = device_kind()
     if impl == "auto":
-        if isinstance(config, MosaicAttentionConfig):
-            impl = "mosaic"
-        elif isinstance(config, AttentionConfig):
-            impl = "pallas"
-        elif config is not None:
-            raise ValueError(f"config must be an AttentionConfig, a MosaicAttentionConfig or None"
-                             f" for impl='auto', got {type(config).__name__}")
-        elif IMPL_CHOICE.get(kind, {}).get(shape_class(shape)) == "mosaic" and not interpret:
-            config = mosaic_gpu_config.lookup_mosaic(shape, kind)
-            if mosaic_gpu.refusal(q, k_cache, config, interpret=False) is None:
-                return "mosaic", config
-            config = None
-        if impl == "auto":
-            impl = "pallas"
+        impl, config = auto_kernel(
+            config, triton_type=AttentionConfig, mosaic_type=MosaicAttentionConfig,
+            measured_faster=IMPL_CHOICE.get(kind, {}).get(shape_class(shape)) == "mosaic",
+            interpret=interpret,
+            mosaic_config=lambda: mosaic_gpu_config.lookup_mosaic(shape, kind),
+            refusal=lambda c: mosaic_gpu.refusal(q, k_cache, c, interpret=False))
     if impl == "mosaic":
         _validation.check_config_type(config, MosaicAttentionConfig, impl)
         config = config or mosaic_gpu_config.lookup_mosaic(shape, kind)

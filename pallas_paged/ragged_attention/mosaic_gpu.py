@@ -70,8 +70,10 @@ from jax.experimental import pallas as pl
 
 from pallas_paged._attention_common import divides, kv_head_rows, num_kv_heads
 from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, PRODUCER_REGISTERS, allocated,
-                                         check_device, check_jax, consumer_registers,
-                                         import_plgpu, mma_smem, with_optional_operands)
+                                         check_device, check_head_dim, check_jax,
+                                         check_pages_fit_tiles, check_query_dtype,
+                                         consumer_registers, import_plgpu, mma_smem,
+                                         with_optional_operands)
 from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfig
 from pallas_paged.ragged_attention.tiles import kv_tile_plan
 
@@ -153,25 +155,14 @@ def smem_bytes(head_dim: int, dtype, config: MosaicAttentionConfig) -> int:
 def check_supported(q, k_cache, config: MosaicAttentionConfig) -> None:
     """ValueError naming the argument for every shape or dtype this kernel does not handle."""
     head_dim = q.shape[2]
-    block_size = k_cache.shape[1]
-    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(
-            f"impl='mosaic' takes bf16 or fp16 queries, got q.dtype={jnp.dtype(q.dtype)} (fp32"
-            " would run the tensor cores in TF32): use impl='pallas' or impl='xla' for fp32")
+    check_query_dtype(q)
     if jnp.dtype(k_cache.dtype) != jnp.dtype(q.dtype):
         raise ValueError(
             f"impl='mosaic' ragged attention takes caches of q's dtype, got"
             f" k_cache.dtype={jnp.dtype(k_cache.dtype)} with q.dtype={jnp.dtype(q.dtype)}:"
             " use impl='pallas' for fp8 caches")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"impl='mosaic' supports head_dim in {SUPPORTED_HEAD_DIMS}, got"
-                         f" {q.shape=} (head_dim={head_dim}): use impl='pallas'")
-    block_kv = config.block_kv
-    if block_size % 8 or (block_kv % block_size and block_size % block_kv):
-        raise ValueError(
-            f"impl='mosaic' needs block_size a multiple of 8 that divides block_kv={block_kv} or"
-            f" is a multiple of it, got {k_cache.shape=} (block_size={block_size}): use"
-            " impl='pallas'")
+    check_head_dim(q, SUPPORTED_HEAD_DIMS)
+    check_pages_fit_tiles(k_cache, config.block_kv, "block_kv")
     need = smem_bytes(head_dim, q.dtype, config)
     if need > MAX_SMEM_BYTES:
         raise ValueError(
