@@ -13,8 +13,8 @@
 #   bash benchmarks/gpu_run.sh [DIR]
 #   STEPS="tests parity" bash benchmarks/gpu_run.sh    # a subset; timeouts: TESTS_TIMEOUT etc.
 #   TESTS="tests/test_ragged.py" PARITY_ARGS="-k ragged" DECODE_ARGS="--shapes b1_ctx32768" ...
-#   TEST_SHARDS=4 PARITY_SHARDS=6 ...  # tests and parity in that many processes at once (test
-#                                      # files dealt round-robin; parity --shard i/N): the
+#   TEST_SHARDS=4 PARITY_SHARDS=6 ...  # tests and parity in that many processes at once (the
+#                                      # tests dealt round-robin; both --shard i/N): the
 #                                      # machine's cores compile in parallel; logs <step>-<i>.txt
 #   ARCHIVE=logs.tar.gz ...            # at the end, pack every file of <dir> into that one file
 # The GPU tests and the full parity suite take minutes per shard: run the two steps in separate
@@ -68,12 +68,8 @@ shards() {  # shards NAME TIMEOUT_S COUNT COMMAND_OF_SHARD: COUNT processes at o
   echo "=== $name: exit $rc after $((SECONDS - start)) s (logs $out/$name-*.txt)"
   [ "$rc" -eq 0 ] || status=1
 }
-test_shard() {  # the pytest command of shard $1 of $2: every $2-th test file ("true" if none)
-  local files mine i=0 f
-  files=$(for f in $TESTS; do if [ -d "$f" ]; then ls "$f"/test_*.py; else echo "$f"; fi; done)
-  mine=$(for f in $files; do [ $((i++ % $2)) -eq "$1" ] && echo "$f"; done)
-  if [ -z "$mine" ]; then echo true; return; fi  # pytest without paths would run every test
-  echo "$PY -m pytest -q -p no:cacheprovider -o addopts=-ra" $mine
+test_shard() {  # the pytest command of shard $1 of $2: every $2-th selected test (--shard)
+  echo "$PY -m pytest -q -p no:cacheprovider -o addopts=-ra --shard $1/$2" $TESTS
 }
 parity_shard() {  # the parity command of shard $1 of $2, its BLAS threads its share of the cores
   local threads=$(( $(nproc) / $2 ))

@@ -31,7 +31,33 @@ import pytest  # noqa: E402
 ON_GPU = jax.default_backend() == "gpu"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run every N-th collected test from the I-th (0-based): N processes"
+                          " with --shard 0/N ... N-1/N run the suite once between them")
+
+
+def _shard(config, items):
+    """Keep items ``i, i + n, ...`` of ``--shard i/n`` (after ``-m``/``-k`` deselection, so the
+    selected tests are dealt evenly, a long parametrized test across every shard)."""
+    spec = config.getoption("--shard")
+    if spec is None:
+        return
+    try:
+        index, count = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard takes I/N, got {spec!r}") from None
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"--shard {spec!r}: I must be in [0, N)")
+    kept = [item for i, item in enumerate(items) if i % count == index]
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items)
+                                         if i % count != index])
+    items[:] = kept
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+    _shard(config, items)
     if ON_GPU:
         return
     skip = pytest.mark.skip(reason="needs a GPU visible to JAX")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -1302,6 +1303,78 @@ def test_the_merge_reads_its_parts_in_chunks(rng, num_heads, kvh, monkeypatch):
                           sinks=rng.standard_normal(num_heads).astype(np.float32))
 
 
+# --- every group, head_dim, split count and query layout: refused up front or lowered -----------
+
+GROUPS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 40, 48, 56, 64)
+GRID_SPLITS = (1, 2, 16)
+
+
+def _grid(fast):
+    """(group, head_dim, splits, queries_in_n) over the whole grid, those not in ``fast`` slow."""
+    cases = [(g, d, s, qn) for g in GROUPS for d in (64, 128, 256) for s in GRID_SPLITS
+             for qn in (False, True)]
+    return slow_but(cases, *fast)
+
+
+def _grid_config(splits, queries_in_n):
+    return MosaicDecodeConfig(block_k=64, num_splits=splits, num_stages=2,
+                              queries_in_n=queries_in_n)
+
+
+def _grid_id(value):
+    return str(value) if not isinstance(value, bool) else ("qn" if value else "qm")
+
+
+# the Mosaic merge over a query box wider than one swizzle row, one and several parts a copy
+GRID_FAST = ((64, 64, 2, True), (24, 128, 16, True), (40, 64, 16, True))
+
+
+@pytest.mark.parametrize("group,head_dim,splits,queries_in_n", _grid(GRID_FAST), ids=_grid_id)
+def test_every_accepted_grid_config_lowers(group, head_dim, splits, queries_in_n, monkeypatch):
+    """Each call of the grid is refused by `check_supported` (the same ValueError from
+    ``decode``) or lowers for CUDA through Mosaic's own lowering, which is where a layout the
+    hardware cannot copy (TMA's five strided dimensions) or hold is rejected."""
+    monkeypatch.setattr(mosaic_gpu, "check_device", lambda interpret: None)
+    config = _grid_config(splits, queries_in_n)
+    args = _abstract(batch=2, num_heads=2 * group, kvh=2, head_dim=head_dim)
+    fn = functools.partial(pp.decode, impl="mosaic", interpret=False, config=config)
+    why = mosaic_gpu.refusal(args[0], args[1], config, interpret=False)
+    if why is not None:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            jax.jit(fn).trace(*args)
+        return
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert mosaic_gpu.KERNEL_NAME in text
+
+
+@pytest.mark.parametrize("group", slow_but(GROUPS, 64), ids=str)
+@pytest.mark.parametrize("head_dim", slow_but((64, 128, 256), 64), ids=str)
+def test_the_default_config_lowers_for_every_group(group, head_dim, monkeypatch):
+    """Without a config, B=1 at ctx 8192 (decode's splits, merged in Mosaic where
+    `merges_in_mosaic`) lowers for CUDA for every group and head_dim."""
+    monkeypatch.setattr(mosaic_gpu, "check_device", lambda interpret: None)
+    q = jax.ShapeDtypeStruct((1, group, head_dim), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((520, 16, 1, head_dim), jnp.bfloat16)
+    args = (q, cache, cache, jax.ShapeDtypeStruct((1, 512), jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32))
+    fn = functools.partial(pp.decode, impl="mosaic", interpret=False)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert mosaic_gpu.KERNEL_NAME in text
+
+
+@pytest.mark.parametrize("group,parts", slow_but([(24, 3), (64, 16)], (64, 16)), ids=str)
+def test_the_mosaic_merge_takes_wide_query_boxes(rng, group, parts):
+    """Groups whose box of query columns spans several swizzle rows, merged by the Mosaic merge
+    kernel (with 16 parts, two to a slot), against the truth."""
+    config = _grid_config(parts, True)
+    paged = make_paged(rng, lens=[70, 1], num_heads=group, num_kv_heads=1, head_dim=64,
+                       block_size=16, dtype="bfloat16")
+    assert mosaic_gpu.merges_in_mosaic(config, group=group, head_dim=64, out_dtype=jnp.bfloat16,
+                                       finalize=False)
+    assert_matches_oracle(paged, "bfloat16", config, sinks=rng.standard_normal(group).astype(
+        np.float32))
+
+
 # --- the compiled kernel on a GPU ------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -1422,3 +1495,21 @@ def test_compiled_queries_in_n_with_several_consumers_do_not_race(rng, num_consu
         out, lse = run(*paged.jax())
         assert_near_xla(out, ref, "bfloat16")
         np.testing.assert_allclose(to_numpy(lse), to_numpy(ref_lse), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group,head_dim,splits,queries_in_n", _grid(()), ids=_grid_id)
+def test_compiled_grid_matches_the_oracle(rng, group, head_dim, splits, queries_in_n):
+    """The whole grid compiled (each accepted call; each refused one raises `check_supported`'s
+    ValueError before any compiler runs), against the float64 truth with sinks and soft-cap."""
+    config = _grid_config(splits, queries_in_n)
+    paged = make_paged(rng, lens=[70, 1, 0, 33], num_heads=2 * group, num_kv_heads=2,
+                       head_dim=head_dim, block_size=16, dtype="bfloat16")
+    q, k_cache = paged.jax()[:2]
+    why = mosaic_gpu.refusal(q, k_cache, config, interpret=False)
+    options = dict(logits_soft_cap=5.0, sinks=rng.standard_normal(2 * group).astype(np.float32))
+    if why is not None:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            mosaic(paged, config, **options)
+        return
+    assert_matches_oracle(paged, "bfloat16", config, **options)

@@ -291,7 +291,7 @@ def _merge_parts_kernel(
     lse_smem,     # f32[R]
     final_smem,   # `FinalSmem`
     ml_bar,       # m, l and the sinks copied
-    o_bars,       # [2]: a slot's parts copied
+    o_bars,       # [2]: a slot's parts copied (one arrival per part)
     *,
     plgpu,
     group: int,
@@ -317,8 +317,11 @@ def _merge_parts_kernel(
     per_query_layout = plgpu.Layout.WGMMA.reduce(0)  # f32[R] beside O^T [head_dim, R]
 
     def fetch(c, slot):
-        plgpu.copy_gmem_to_smem(o_ref.at[b, h, pl.ds(c * chunk, chunk)], o_smem.at[slot],
-                                o_bars.at[slot])
+        # One copy per part: a copy of several parts' tiled O^T needs more than TMA's five
+        # strided dimensions wherever R spans more than one swizzle row (groups 24, 40-64).
+        for j in range(chunk):
+            plgpu.copy_gmem_to_smem(o_ref.at[b, h, c * chunk + j], o_smem.at[slot, j],
+                                    o_bars.at[slot])
 
     if launched_early:
         plgpu.griddepcontrol_wait()
@@ -405,7 +408,7 @@ def merge_parts_mosaic(o, m, l, lens, sinks, v_scale, *, group: int, capacity: i
         plgpu.SMEM((q_rows,), jnp.float32),
         final_smem_scratch(plgpu, q_rows, head_dim, out_dtype, queries_in_n=True),
         plgpu.Barrier(num_arrivals=2 + (sinks is not None)),
-        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_arrivals=chunk, num_barriers=2),
     )
     body = functools.partial(_merge_parts_kernel, plgpu=plgpu, group=group, capacity=capacity,
                              rows_of_8=rows_of_8, out_dtype=out_dtype,
