@@ -471,6 +471,10 @@ def smem_bytes(head_dim: int, cache_dtype, compute_dtype, config: MosaicDecodeCo
     return total + MOSAIC_OWN_SMEM_BYTES
 
 
+# The config with the least shared memory: where it does not fit, none does.
+SMALLEST_CONFIG = MosaicDecodeConfig(block_k=64, num_stages=2, queries_in_n=True)
+
+
 def check_supported(q, k_cache, config: MosaicDecodeConfig) -> None:
     """ValueError naming the argument for every shape or dtype this kernel does not handle."""
     _, num_heads, head_dim = q.shape
@@ -482,8 +486,14 @@ def check_supported(q, k_cache, config: MosaicDecodeConfig) -> None:
                          f" q.dtype={jnp.dtype(q.dtype)}")
     check_head_dim(q, SUPPORTED_HEAD_DIMS)
     check_pages_fit_tiles(k_cache, config.block_k, "block_k")
-    need = smem_bytes(head_dim, k_cache.dtype, q.dtype, config, alibi=True,
-                      group=max(num_heads // kvh, 1))
+    group = max(num_heads // kvh, 1)
+    need = smem_bytes(head_dim, k_cache.dtype, q.dtype, config, alibi=True, group=group)
+    least = smem_bytes(head_dim, k_cache.dtype, q.dtype, SMALLEST_CONFIG, alibi=True, group=group)
+    if least > MAX_SMEM_BYTES:
+        raise ValueError(
+            f"impl='mosaic' cannot hold a group of {group} query heads at head_dim={head_dim}"
+            f" in one CTA's {MAX_SMEM_BYTES} bytes of shared memory ({least} with its smallest"
+            f" config) for {q.shape=}, {k_cache.shape=}: use impl='pallas'")
     if need > MAX_SMEM_BYTES:
         raise ValueError(
             f"config={config} needs {need} bytes of shared memory for {k_cache.shape=}, more than"
