@@ -103,8 +103,11 @@ def test_page_sizes(rng, block_size, config):
 
 
 @needs_kernel_api
-@pytest.mark.parametrize("head_dim", [pytest.param(128, marks=SLOW), pytest.param(192, marks=SLOW)])
+@pytest.mark.parametrize("head_dim", [pytest.param(128, marks=SLOW), pytest.param(192, marks=SLOW),
+                                      256])
 def test_head_dims(rng, head_dim):
+    """128 and 192 in one staging part of the query and output, 256 in two of 128 columns
+    (`staging_columns`): against the truth."""
     problem = make_ragged(rng, [(9, 30), (1, 7)], num_heads=4, num_kv_heads=2, head_dim=head_dim,
                           block_size=16, dtype="bfloat16")
     check(problem)
@@ -226,7 +229,7 @@ def test_work_list_covers_every_row_once_longest_first(group, consumers):
     (dict(dtype="float32"), "bf16 or fp16 queries"),
     (dict(dtype="float8_e4m3fn"), "caches of q's dtype"),
     (dict(head_dim=32), "head_dim in"),
-    (dict(head_dim=256), "head_dim in"),
+    (dict(head_dim=320), "head_dim in"),
     (dict(block_size=12), "block_size a multiple of 8"),
 ])
 def test_refusals_name_the_argument(rng, change, match):
@@ -284,6 +287,7 @@ def test_compiled_against_xla(rng, seqs):
     pytest.param(128, M(block_kv=64, num_stages=3, num_consumers=2), False, marks=SLOW),
     pytest.param(64, TWO_PLAIN, False, marks=SLOW),
     (192, ONE_CONSUMER, True),
+    (256, M(block_kv=64, num_stages=2, num_consumers=1, ping_pong=False), True),
     pytest.param(128, M(block_kv=128, num_stages=2, num_consumers=1, ping_pong=False), False,
                  marks=SLOW),
 ])

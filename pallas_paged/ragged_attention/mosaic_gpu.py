@@ -53,7 +53,7 @@ Safety, by construction (values cannot raise under jit):
 Supported (anything else is a ValueError naming the argument and the way out):
 
 - bf16 / fp16 queries and caches of the query's dtype (fp8 caches: ``impl="pallas"``);
-- ``head_dim`` 64, 128 or 192 (256: ``impl="pallas"``); ``block_size`` a multiple of 8 that divides ``block_kv`` or
+- ``head_dim`` 64, 128, 192 or 256; ``block_size`` a multiple of 8 that divides ``block_kv`` or
   is a multiple of it; any GQA group;
 - soft-cap, ALiBi, sliding window, sinks, ``return_lse``, the fused cache;
 - jax >= 0.11.2 and compute capability 9.0 or later, or Mosaic GPU's interpret mode anywhere.
@@ -78,8 +78,7 @@ from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfi
 from pallas_paged.ragged_attention.tiles import kv_tile_plan
 
 MMA_ROWS = 64  # a consumer's query tile: wgmma's M, 64 tokens of one query head
-# head_dim 256 lowers through Mosaic GPU's layout inference without an end (jax 0.12.1): refused.
-SUPPORTED_HEAD_DIMS = (64, 128, 192)
+SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
 KERNEL_NAME = "pallas_paged_ragged_mosaic"
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -88,6 +87,13 @@ MOSAIC_OWN_SMEM_BYTES = 2048
 V_FIX_ROWS = 64  # rows of a V tile the consumer checks for non-finite values at once
 # Exact math (exp2, division), as the parity bounds were met with.
 COMPILER_PARAMS = {"approx_math": False}
+
+
+def staging_columns(head_dim: int) -> int:
+    """Columns of one part of the untiled query/output staging: 128 where they divide
+    ``head_dim`` (Mosaic GPU's layout inference takes minutes over one untiled 256-column
+    tile), else all of them."""
+    return 128 if head_dim % 128 == 0 else head_dim
 
 
 def heads_per_cta(group: int, num_consumers: int) -> int:
@@ -218,6 +224,8 @@ def _ragged_attention_kernel(
     head_blocks = group // heads
     tokens = tokens_per_cta(group, num_consumers)
     copies = block_kv // block_size if block_size <= block_kv else 1
+    width = staging_columns(head_dim)
+    column_parts = [pl.ds(lo, width) for lo in range(0, head_dim, width)]
 
     # --- the CTA's work: (sequence b, tile) of rank `rank`, kv head h, head block hb ----------
     cta = jax.lax.axis_index("cta")
@@ -254,7 +262,8 @@ def _ragged_attention_kernel(
     def body(q_smem, k_smem, v_smem, o_smem, lse_smem, q_bars, k_bars, v_bars, free_bars,
              v_ready_bars, schedule_bar):
         # q_smem [C, 64, D]; k_smem, v_smem [stages, block_kv, D] (wgmma operands); o_smem
-        # [C, 64, D] in q.dtype (untiled: any row range copies out); lse_smem f32[C, 64].
+        # [C, D // W, 64, W] in q.dtype, W = `staging_columns` (untiled: any row range copies
+        # out); lse_smem f32[C, 64].
         # Barriers: q_bars[C] (a consumer's query tile copied); k_bars, v_bars[stages] (a stage's
         # copies done); free_bars[stages] (every consumer is done with a stage); v_ready_bars
         # [stages] (two consumers: the first has checked a stage's V, the second may read it),
@@ -293,8 +302,9 @@ def _ragged_attention_kernel(
                 plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             for c in range(num_consumers):  # into the output's staging (see `consumer`)
                 head, _, _, t0_load, _ = consumer_rows(c)
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0_load, MMA_ROWS), head], o_smem.at[c],
-                                        q_bars.at[c])
+                for part, cols in enumerate(column_parts):
+                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0_load, MMA_ROWS), head, cols],
+                                            o_smem.at[c, part], q_bars.at[c])
 
             @pl.loop(0, steps)
             def _produce(step):
@@ -403,7 +413,8 @@ def _ragged_attention_kernel(
             # swizzled wgmma operand needs a start row that is a multiple of 8; a sequence's
             # first token can be any row), and moves to the operand through registers.
             plgpu.barrier_wait(q_bars.at[c])
-            q_smem[c] = plgpu.load(o_smem.at[c], layout=plgpu.Layout.WGMMA)
+            for part, cols in enumerate(column_parts):
+                q_smem[c, :, cols] = plgpu.load(o_smem.at[c, part], layout=plgpu.Layout.WGMMA)
             plgpu.commit_smem()
             if ping_pong and c == 1:
                 schedule_turn()  # the second consumer starts one turn behind the first
@@ -430,7 +441,8 @@ def _ragged_attention_kernel(
             l_safe = jnp.where(ok, l, 1.0)
             out = jnp.where(jax.lax.broadcast_in_dim(ok, acc.shape, [0]),
                             acc / jax.lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
-            o_smem[c] = out.astype(dtype)
+            for part, cols in enumerate(column_parts):
+                o_smem[c, part] = out[:, cols.start:cols.start + cols.size].astype(dtype)
             lse_smem[c] = jnp.where(has_keys, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
             plgpu.commit_smem()
             write_rows(c, head, t0, queries)
@@ -449,8 +461,9 @@ def _ragged_attention_kernel(
 
                 @pl.when(take)
                 def _store(size=size, done=done):
-                    plgpu.copy_smem_to_gmem(o_smem.at[c, pl.ds(delta + done, size)],
-                                            out_ref.at[pl.ds(t0 + done, size), head])
+                    for part, cols in enumerate(column_parts):
+                        plgpu.copy_smem_to_gmem(o_smem.at[c, part, pl.ds(delta + done, size)],
+                                                out_ref.at[pl.ds(t0 + done, size), head, cols])
 
                 done = done + jnp.where(take, size, 0)
                 size //= 2
@@ -468,9 +481,9 @@ def _ragged_attention_kernel(
         mma_smem(plgpu, (c_count, MMA_ROWS, head_dim), dtype),
         mma_smem(plgpu, (num_stages, block_kv, head_dim), k_ref.dtype),
         mma_smem(plgpu, (num_stages, block_kv, head_dim), v_ref.dtype),
-        plgpu.SMEM((c_count, MMA_ROWS, head_dim), dtype),
+        plgpu.SMEM((c_count, head_dim // width, MMA_ROWS, width), dtype),
         plgpu.SMEM((c_count, MMA_ROWS), jnp.float32),
-        plgpu.Barrier(num_barriers=c_count),
+        plgpu.Barrier(num_arrivals=head_dim // width, num_barriers=c_count),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=c_count, num_barriers=num_stages),
