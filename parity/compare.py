@@ -374,8 +374,8 @@ def case_outputs(case: Case, device: str = "cpu", *, impls: Sequence[str] = IMPL
 def mosaic_refusal(case: Case) -> str | None:
     """Why ``impl="mosaic"`` cannot run ``case`` (its ValueError), or None when it can.
 
-    The Mosaic GPU kernels take bf16/fp16 queries, head_dim 64, 128, 192 or 256 and block sizes
-    that are multiples of 8; the ragged one takes 16-bit caches only. A sweep with ``--impl
+    The Mosaic GPU kernels take bf16/fp16 queries, head_dim 64, 128, 192 or 256 (the ragged one:
+    fp8 caches up to 192) and block sizes that are multiples of 8. A sweep with ``--impl
     mosaic`` runs the cases they take. Only the shapes and dtypes matter (the token count of a
     ragged case does not change the answer: one token stands for it).
     """

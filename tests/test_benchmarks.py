@@ -490,7 +490,7 @@ def test_ragged_smoke_checks_and_times_every_impl_beside_decode(tmp_path):
                          ("smoke_fp8_mixed_2x8c20_6dec30", "mosaic"),
                          ("smoke_fp8_mixed_2x8c20_6dec30", "xla")}
     for name in ("smoke_decode_b4_ctx40", "smoke_fp8_mixed_2x8c20_6dec30"):
-        # head_dim 32 and fp8: the Mosaic kernel refuses both, in its own words
+        # head_dim 32: the Mosaic kernel refuses both shapes, in its own words
         skipped = rows.pop((name, "mosaic"))
         assert skipped["status"] == "skipped" and "impl='mosaic'" in skipped["reason"]
     for row in rows.values():

@@ -222,12 +222,52 @@ def test_work_list_covers_every_row_once_longest_first(group, consumers):
     np.testing.assert_array_equal(np.asarray(lse), want)
 
 
+@needs_kernel_api
+@pytest.mark.parametrize("q_dtype,config,heads,head_dim", [
+    ("bfloat16", PING_PONG, (4, 2), 64),       # the first consumer converts for both
+    pytest.param("float16", ONE_CONSUMER, (4, 2), 64, marks=SLOW),
+    pytest.param("bfloat16", TWO_PLAIN, (3, 1), 64, marks=SLOW),   # two token halves
+    pytest.param("bfloat16", None, (4, 2), 192, marks=SLOW),
+])
+def test_fp8_cache_with_every_option(rng, q_dtype, config, heads, head_dim):
+    """An fp8 cache: its tiles converted to the query's dtype in the kernel (exact), k_scale in
+    the scores and v_scale in the sum, every option, NaN in every slot that holds no token:
+    the truth; the output has q's dtype."""
+    num_heads, kvh = heads
+    problem = make_ragged(rng, MIX, pad=2, num_heads=num_heads, num_kv_heads=kvh,
+                          head_dim=head_dim, block_size=16, dtype="float8_e4m3fn",
+                          q_dtype=q_dtype)
+    out, _ = check(problem, config, k_scale=0.25, v_scale=0.75, **every_option(rng, num_heads))
+    assert out.dtype == jnp.dtype(q_dtype)
+
+
+@needs_kernel_api
+def test_fp8_scales_as_arrays_one_program_for_every_scale(rng):
+    """Traced f32 scales equal the same python floats bit for bit, and a jitted step compiles
+    once for two pairs of scales (they are kernel operands)."""
+    problem = make_ragged(rng, [(3, 10), (1, 4)], pad=1, num_heads=4, num_kv_heads=2,
+                          head_dim=64, block_size=16, dtype="float8_e4m3fn", q_dtype="bfloat16")
+    arrays = problem.jax()
+    traces = []
+
+    @jax.jit
+    def step(k_scale, v_scale, *arrays):
+        traces.append(1)
+        return pp.paged_attention(*arrays, impl="mosaic", k_scale=k_scale, v_scale=v_scale)
+
+    for k_scale, v_scale in ((0.25, 0.75), (1.5, 0.125)):
+        got = step(jnp.float32(k_scale), jnp.float32(v_scale), *arrays)
+        want = pp.paged_attention(*arrays, impl="mosaic", k_scale=k_scale, v_scale=v_scale)
+        np.testing.assert_array_equal(bits(got), bits(want))
+    assert len(traces) == 1
+
+
 # --- refusals ------------------------------------------------------------------------------------
 
 @needs_kernel_api
 @pytest.mark.parametrize("change,match", [
     (dict(dtype="float32"), "bf16 or fp16 queries"),
-    (dict(dtype="float8_e4m3fn"), "caches of q's dtype"),
+    (dict(dtype="float8_e4m3fn", head_dim=256), "bytes of shared memory.*fp8 caches"),
     (dict(head_dim=32), "head_dim in"),
     (dict(head_dim=320), "head_dim in"),
     (dict(block_size=12), "block_size a multiple of 8"),
@@ -263,16 +303,22 @@ def test_config_refuses_bad_fields(field, value):
 # --- compiled, realistic shapes ------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seqs", [
-    [(2048, 2048)],                                   # a whole prompt
-    [(512, 2560)] * 4 + [(1, 4096)] * 12,             # chunks and decodes
-    [(1000, 9000), (37, 37), (4, 700)],
-])
-def test_compiled_against_xla(rng, seqs):
-    problem = make_ragged(rng, seqs, pad=7, num_heads=32, num_kv_heads=8, head_dim=128,
-                          block_size=16, dtype="bfloat16")
-    got = pp.paged_attention(*problem.jax(), impl="mosaic")
-    want = pp.paged_attention(*problem.jax(), impl="pallas")
+@pytest.mark.parametrize("seqs,cache,head_dim", [
+    ([(2048, 2048)], "bfloat16", 128),                               # a whole prompt
+    ([(512, 2560)] * 4 + [(1, 4096)] * 12, "bfloat16", 128),         # chunks and decodes
+    ([(1000, 9000), (37, 37), (4, 700)], "bfloat16", 128),
+    ([(1000, 9000), (37, 37), (4, 700)], "float8_e4m3fn", 128),
+    ([(1000, 3000), (5, 700)], "bfloat16", 256),
+    ([(1000, 3000), (5, 700)], "bfloat16", 64),
+], ids=["prompt", "mixed", "ragged", "ragged_fp8", "d256", "d64"])
+def test_compiled_against_the_triton_kernel(rng, seqs, cache, head_dim):
+    """The compiled kernel at realistic shapes against impl="pallas" (the oracle's float64 loops
+    would take minutes there), with its default config."""
+    problem = make_ragged(rng, seqs, pad=7, num_heads=32, num_kv_heads=8, head_dim=head_dim,
+                          block_size=16, dtype=cache, q_dtype="bfloat16")
+    scales = dict(k_scale=0.5, v_scale=0.25) if cache == "float8_e4m3fn" else {}
+    got = pp.paged_attention(*problem.jax(), impl="mosaic", **scales)
+    want = pp.paged_attention(*problem.jax(), impl="pallas", **scales)
     got, want = (to_numpy(x).astype(np.float64) for x in (got, want))
     assert np.isfinite(got).all()
     bound = 4 * ATOL["bfloat16"] * max(1.0, np.abs(want).max())
@@ -290,6 +336,7 @@ def test_compiled_against_xla(rng, seqs):
     (256, M(block_kv=64, num_stages=2, num_consumers=1, ping_pong=False), True),
     pytest.param(128, M(block_kv=128, num_stages=2, num_consumers=1, ping_pong=False), False,
                  marks=SLOW),
+    (128, M(block_kv=64, num_stages=2, num_consumers=2, ping_pong=True), "fp8"),
 ])
 def test_lowers_for_cuda_with_the_shared_memory_its_model_says(monkeypatch, head_dim, config,
                                                                options):
@@ -305,20 +352,23 @@ def test_lowers_for_cuda_with_the_shared_memory_its_model_says(monkeypatch, head
     monkeypatch.setattr(mgpu_core, "_smem_tree_size", lambda tree: asked.append(size(tree))
                         or asked[-1])
     S = jax.ShapeDtypeStruct
-    args = (S((300, 32, head_dim), jnp.bfloat16), *[S((500, 16, 8, head_dim), jnp.bfloat16)] * 2,
+    cache_dtype = jnp.float8_e4m3fn if options == "fp8" else jnp.bfloat16
+    args = (S((300, 32, head_dim), jnp.bfloat16), *[S((500, 16, 8, head_dim), cache_dtype)] * 2,
             S((4, 64), jnp.int32), S((4,), jnp.int32), S((5,), jnp.int32))
-    extra = (S((32,), jnp.float32),) * 2 if options else ()
+    extra = (S((32,), jnp.float32),) * 2 + (S((), jnp.float32),) * 2 if options else ()
 
     def fn(*a):
         more = dict(alibi_slopes=a[6], sinks=a[7], logits_soft_cap=30.0,
                     sliding_window=100) if options else {}
+        if options == "fp8":  # traced scales: kernel operands
+            more.update(k_scale=a[8], v_scale=a[9])
         return pp.paged_attention(*a[:6], impl="mosaic", interpret=False, config=config,
                                   check_values=False, **more)
 
     text = jax.jit(fn).trace(*args, *extra).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
     assert mosaic_gpu.KERNEL_NAME in text
-    assert asked[0] == mosaic_gpu.smem_bytes(head_dim, jnp.bfloat16, config)
+    assert asked[0] == mosaic_gpu.smem_bytes(head_dim, jnp.bfloat16, config, cache_dtype)
 
 
 # --- impl="auto" ---------------------------------------------------------------------------------

@@ -301,8 +301,7 @@ def _paged_attention_jit(q, caches, block_tables, context_lens, query_start_loc,
     if impl == "xla":
         return paged_attention_xla(q, *(split_kv_cache(k_cache) if fused else caches), tables,
                                    lens, starts, **options)
-    if impl == "mosaic":  # 16-bit caches only (`mosaic_gpu.check_supported`): no fp8 scales
-        del options["k_scale"], options["v_scale"]
+    if impl == "mosaic":
         return paged_attention_mosaic(q, k_cache, v_cache, tables, lens, starts, config=config,
                                       interpret=interpret, fused=fused, **options)
     return paged_attention_pallas(q, k_cache, v_cache, tables, lens, starts, config=config,

@@ -20,6 +20,9 @@ later (``plgpu.kernel``). Read top to bottom (the public function is
      then walks the CTA's K/V tiles: ``block_kv`` tokens, ``block_kv / block_size`` whole pages,
      one TMA copy each, the block ids read from the table in GMEM, into a ring of ``num_stages``
      shared-memory stages; it refills a stage once every consumer has freed it.
+   - fp8 caches: the first consumer converts each stage's K and V tiles to the query's dtype
+     (exact) into a second ring, for both consumers; ``k_scale`` joins the scores' scale and
+     ``v_scale`` the sum before its normalization.
    - A consumer computes ``S = Q K^T`` and ``O += P V`` with wgmma (P from registers, the
      accumulator seeded from registers), the online softmax in fp32 registers in base 2
      (``exp2``; the scale folds ``log2(e)`` in where no soft-cap or ALiBi comes between). The
@@ -52,7 +55,8 @@ Safety, by construction (values cannot raise under jit):
 
 Supported (anything else is a ValueError naming the argument and the way out):
 
-- bf16 / fp16 queries and caches of the query's dtype (fp8 caches: ``impl="pallas"``);
+- bf16 / fp16 queries, caches of the query's dtype or float8_e4m3fn (head_dim 256 with fp8:
+  ``impl="pallas"``: the converted ring does not fit);
 - ``head_dim`` 64, 128, 192 or 256; ``block_size`` a multiple of 8 that divides ``block_kv`` or
   is a multiple of it; any GQA group;
 - soft-cap, ALiBi, sliding window, sinks, ``return_lse``, the fused cache;
@@ -69,6 +73,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_paged._attention_common import divides, kv_head_rows, num_kv_heads
+from pallas_paged._fp8 import kernel_scale_operands
 from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, PRODUCER_REGISTERS, allocated,
                                          check_device, check_head_dim, check_jax,
                                          check_pages_fit_tiles, check_query_dtype,
@@ -77,6 +82,7 @@ from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, PRODUCER_REGISTERS, all
 from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfig
 from pallas_paged.ragged_attention.tiles import kv_tile_plan
 
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
 MMA_ROWS = 64  # a consumer's query tile: wgmma's M, 64 tokens of one query head
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
 KERNEL_NAME = "pallas_paged_ragged_mosaic"
@@ -143,15 +149,21 @@ def work_list(starts, lens, *, num_tokens: int, tokens: int, programs: int, wind
     return jnp.stack([b[order], tile[order]])
 
 
-def smem_bytes(head_dim: int, dtype, config: MosaicAttentionConfig) -> int:
-    """Shared memory one CTA takes: the consumers' query tiles, the K and V ring, the output's
-    staging and the lse rows (each allocation rounded up: `allocated`), and the barriers."""
+def smem_bytes(head_dim: int, dtype, config: MosaicAttentionConfig, cache_dtype=None) -> int:
+    """Shared memory one CTA takes: the consumers' query tiles, the K and V ring (in
+    ``cache_dtype``, default ``dtype``; fp8: and the ring of their conversions to ``dtype``), the
+    output's staging and the lse rows (each allocation rounded up: `allocated`), and the
+    barriers."""
     itemsize = jnp.dtype(dtype).itemsize
+    cache_itemsize = jnp.dtype(cache_dtype or dtype).itemsize
     consumers = config.num_consumers
+    ring = config.num_stages * config.block_kv * head_dim
     total = allocated(consumers * MMA_ROWS * head_dim * itemsize)               # q
-    total += allocated(*[config.num_stages * config.block_kv * head_dim * itemsize] * 2)  # K, V
+    total += allocated(*[ring * cache_itemsize] * 2)                            # K, V
     total += allocated(consumers * MMA_ROWS * head_dim * itemsize)              # the output
     total += allocated(consumers * MMA_ROWS * 4)                                # lse
+    if cache_itemsize != itemsize:
+        total += allocated(*[ring * itemsize] * 2)                  # K, V converted to dtype
     barriers = consumers + 3 * config.num_stages           # q; K, V, free
     barriers += config.num_stages * (consumers > 1)        # V checked
     barriers += config.ping_pong and consumers > 1         # the schedule
@@ -162,19 +174,19 @@ def check_supported(q, k_cache, config: MosaicAttentionConfig) -> None:
     """ValueError naming the argument for every shape or dtype this kernel does not handle."""
     head_dim = q.shape[2]
     check_query_dtype(q)
-    if jnp.dtype(k_cache.dtype) != jnp.dtype(q.dtype):
+    if jnp.dtype(k_cache.dtype) not in (jnp.dtype(q.dtype), FP8):
         raise ValueError(
-            f"impl='mosaic' ragged attention takes caches of q's dtype, got"
-            f" k_cache.dtype={jnp.dtype(k_cache.dtype)} with q.dtype={jnp.dtype(q.dtype)}:"
-            " use impl='pallas' for fp8 caches")
+            f"impl='mosaic' ragged attention takes caches of q's dtype or float8_e4m3fn, got"
+            f" k_cache.dtype={jnp.dtype(k_cache.dtype)} with q.dtype={jnp.dtype(q.dtype)}")
     check_head_dim(q, SUPPORTED_HEAD_DIMS)
     check_pages_fit_tiles(k_cache, config.block_kv, "block_kv")
-    need = smem_bytes(head_dim, q.dtype, config)
+    need = smem_bytes(head_dim, q.dtype, config, k_cache.dtype)
     if need > MAX_SMEM_BYTES:
+        fp8 = " (fp8 caches: else impl='pallas')" if jnp.dtype(k_cache.dtype) == FP8 else ""
         raise ValueError(
-            f"config={config} needs {need} bytes of shared memory at head_dim={head_dim}, more"
-            f" than the {MAX_SMEM_BYTES} of one CTA: fewer num_stages, block_kv=64 or"
-            " num_consumers=1")
+            f"config={config} needs {need} bytes of shared memory at head_dim={head_dim} with"
+            f" k_cache.dtype={jnp.dtype(k_cache.dtype)}, more than the {MAX_SMEM_BYTES} of one"
+            f" CTA: fewer num_stages, block_kv=64 or num_consumers=1{fp8}")
 
 
 def refusal(q, k_cache, config: MosaicAttentionConfig, interpret: bool) -> str | None:
@@ -200,6 +212,8 @@ def _ragged_attention_kernel(
     v_ref,        #  [..., 2 * num_kv_heads, head_dim], as both)
     alibi_ref,    # f32[num_heads] or None
     sinks_ref,    # f32[num_heads] or None
+    k_scale_ref,  # f32[1] or None (fp8 caches)
+    v_scale_ref,  # f32[1] or None (fp8 caches)
     out_ref,      # [num_tokens, num_heads, head_dim] in q.dtype
     lse_ref,      # f32[CTAs, C, 64]: each consumer's lse row (`gather_lse`)
     *,
@@ -225,6 +239,7 @@ def _ragged_attention_kernel(
     tokens = tokens_per_cta(group, num_consumers)
     copies = block_kv // block_size if block_size <= block_kv else 1
     width = staging_columns(head_dim)
+    converts = k_ref.dtype != dtype  # fp8 caches
     column_parts = [pl.ds(lo, width) for lo in range(0, head_dim, width)]
 
     # --- the CTA's work: (sequence b, tile) of rank `rank`, kv head h, head block hb ----------
@@ -259,15 +274,18 @@ def _ragged_attention_kernel(
         row0_pos = first_pos + sub * MMA_ROWS - (t0 - t0_load)
         return head, t0, queries, t0_load, row0_pos
 
-    def body(q_smem, k_smem, v_smem, o_smem, lse_smem, q_bars, k_bars, v_bars, free_bars,
-             v_ready_bars, schedule_bar):
-        # q_smem [C, 64, D]; k_smem, v_smem [stages, block_kv, D] (wgmma operands); o_smem
-        # [C, D // W, 64, W] in q.dtype, W = `staging_columns` (untiled: any row range copies
-        # out); lse_smem f32[C, 64].
+    def body(q_smem, k_smem, v_smem, o_smem, lse_smem, kc_smem, vc_smem, q_bars, k_bars, v_bars,
+             free_bars, v_ready_bars, schedule_bar):
+        # q_smem [C, 64, D]; k_smem, v_smem [stages, block_kv, D] in the cache's dtype (TMA
+        # destinations; 16-bit: the wgmma operands); o_smem [C, D // W, 64, W] in q.dtype,
+        # W = `staging_columns` (untiled: any row range copies out); lse_smem f32[C, 64];
+        # kc_smem, vc_smem [stages, block_kv, D] in q.dtype, fp8 caches' tiles converted by the
+        # first consumer (the wgmma operands), else None.
         # Barriers: q_bars[C] (a consumer's query tile copied); k_bars, v_bars[stages] (a stage's
         # copies done); free_bars[stages] (every consumer is done with a stage); v_ready_bars
-        # [stages] (two consumers: the first has checked a stage's V, the second may read it),
-        # else None; schedule_bar (ping_pong) the two consumers' turns on the tensor cores.
+        # [stages] (two consumers: the first has checked a stage's V, fp8: converted its K and
+        # V, and the second may read them), else None; schedule_bar (ping_pong) the two
+        # consumers' turns on the tensor cores.
         wg = jax.lax.axis_index("wg")
 
         def block_ids(kv_tile):
@@ -327,18 +345,30 @@ def _ragged_attention_kernel(
             plgpu.barrier_arrive(schedule_bar)
             plgpu.barrier_wait(schedule_bar)
 
-        def fix_values(slot, kv_tile):
-            """Non-finite V entries at positions not every row of the CTA sees, zeroed in stage
-            ``slot`` (a masked tile): a row whose weight for them is 0 would get ``0 * NaN``."""
+        def fix_values(v_tile, kv_tile):
+            """Non-finite entries of the V tile ``v_tile`` [block_kv, D] at positions not every
+            row of the CTA sees, zeroed (a masked tile): a row whose weight for them is 0 would
+            get ``0 * NaN``."""
             shape = (V_FIX_ROWS, head_dim)
             for r in range(0, block_kv, V_FIX_ROWS):
-                rows = v_smem.at[slot, pl.ds(r, V_FIX_ROWS)]
+                rows = v_tile.at[pl.ds(r, V_FIX_ROWS)]
                 v = plgpu.load(rows, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
                 pos = kv_tile * block_kv + r + plgpu.broadcasted_iota(
                     jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
                 keep = ((pos >= shared_lo) & (pos < shared_hi)) | (jnp.abs(v) < jnp.inf)
-                rows[...] = jnp.where(keep, v, 0.0).astype(v_smem.dtype)
+                rows[...] = jnp.where(keep, v, 0.0).astype(v_tile.dtype)
             plgpu.commit_smem()
+
+        def convert_tiles(slot, kv_tile, masked):
+            """fp8 caches: stage ``slot``'s K and V tiles in q.dtype (exact), V fixed where
+            ``masked`` (`fix_values`)."""
+            plgpu.barrier_wait(k_bars.at[slot])
+            kc_smem[slot] = k_smem[slot].astype(jnp.float16).astype(dtype)
+            plgpu.barrier_wait(v_bars.at[slot])
+            vc_smem[slot] = v_smem[slot].astype(jnp.float16).astype(dtype)
+            plgpu.commit_smem()
+            if masked:
+                fix_values(vc_smem.at[slot], kv_tile)
 
         def consumer(c):
             head, t0, queries, _, row0_pos = consumer_rows(c)
@@ -346,25 +376,35 @@ def _ragged_attention_kernel(
             score_shape = (MMA_ROWS, block_kv)
             row_layout = plgpu.Layout.WGMMA.reduce(1)
             folds = soft_cap is None and alibi_ref is None  # log2(e) folded into the scale
+            score_scale = scale if k_scale_ref is None else scale * k_scale_ref[0]
             if alibi_ref is not None:
                 slope = alibi_ref[head]
 
             def step_body(kv_tile, carry, *, masked: bool):
                 acc, m_prev, l_prev = carry  # f32[64, D], f32[64] (base 2), f32[64]
                 slot = jax.lax.rem(kv_tile - tile_lo, num_stages)
-                plgpu.barrier_wait(k_bars.at[slot])
+                if converts and c == 0:
+                    convert_tiles(slot, kv_tile, masked)
+                    if v_ready_bars is not None:
+                        plgpu.barrier_arrive(v_ready_bars.at[slot])
+                elif converts:
+                    plgpu.barrier_wait(v_ready_bars.at[slot])
+                else:
+                    plgpu.barrier_wait(k_bars.at[slot])
+                k_tile, v_tile = ((kc_smem.at[slot], vc_smem.at[slot]) if converts
+                                  else (k_smem.at[slot], v_smem.at[slot]))
 
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
                     if ping_pong:
                         schedule_turn()
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC(score_shape, jnp.float32))  # f32[64, block_kv]
                 if folds:
-                    s = s * (scale * LOG2E)
+                    s = s * (score_scale * LOG2E)
                 else:
-                    s = s * scale
+                    s = s * score_scale
                     if soft_cap is not None:
                         s = soft_cap * jnp.tanh(s / soft_cap)
                 if alibi_ref is not None or masked:
@@ -391,10 +431,12 @@ def _ragged_attention_kernel(
 
                 if ping_pong:
                     plgpu.barrier_arrive(schedule_bar)  # done with the softmax
-                if c == 0:
+                if converts:
+                    pass  # converted (and fixed) before the first product
+                elif c == 0:
                     plgpu.barrier_wait(v_bars.at[slot])
                     if masked:
-                        fix_values(slot, kv_tile)
+                        fix_values(v_tile, kv_tile)
                     if v_ready_bars is not None:
                         plgpu.barrier_arrive(v_ready_bars.at[slot])
                 else:
@@ -403,7 +445,7 @@ def _ragged_attention_kernel(
                     plgpu.barrier_wait(schedule_bar)  # the tensor cores are ours
 
                 def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    plgpu.wgmma(acc_ref, p16, v_tile)
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(free_bars.at[slot])
@@ -428,6 +470,8 @@ def _ragged_attention_kernel(
             if ping_pong and c == 0:
                 schedule_turn()  # the second consumer's last turn
             acc, m, l = carry
+            if v_scale_ref is not None:  # P V is linear in V: dequantize the sum
+                acc = acc * v_scale_ref[0]
             if sinks_ref is not None:  # one more logit per row, with no value row
                 sink = sinks_ref[head] * LOG2E
                 m_total = jnp.maximum(m, sink)
@@ -483,6 +527,7 @@ def _ragged_attention_kernel(
         mma_smem(plgpu, (num_stages, block_kv, head_dim), v_ref.dtype),
         plgpu.SMEM((c_count, head_dim // width, MMA_ROWS, width), dtype),
         plgpu.SMEM((c_count, MMA_ROWS), jnp.float32),
+        *[mma_smem(plgpu, (num_stages, block_kv, head_dim), dtype) if converts else None] * 2,
         plgpu.Barrier(num_arrivals=head_dim // width, num_barriers=c_count),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
@@ -534,14 +579,15 @@ def gather_lse(lse_tiles, work, starts, *, num_tokens: int, num_heads: int, grou
 def paged_attention_mosaic(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *,
                            scale, config: MosaicAttentionConfig, interpret: bool,
                            logits_soft_cap, alibi_slopes, sliding_window, sinks,
-                           fused: bool = False):
+                           k_scale=None, v_scale=None, fused: bool = False):
     """The kernel over ``work tiles x num_kv_heads x head blocks`` CTAs, with the XLA work around
     it: the work list before (`work_list`), the lse gathered per token after (`gather_lse`).
 
     Arguments as `pallas_paged.paged_attention` after validation (``scale`` a float; indices
     int32 and clamped, ``query_start_loc`` non-decreasing from 0; ``num_tokens >= 1``,
-    ``batch >= 1``); the caller has checked the call (`refusal`). ``fused``: ``k_cache`` and
-    ``v_cache`` are one fused cache, read in place.
+    ``batch >= 1``); the caller has checked the call (`refusal`). ``k_scale``, ``v_scale``
+    (fp8 caches): python floats or ``f32[]`` arrays, kernel operands either way. ``fused``:
+    ``k_cache`` and ``v_cache`` are one fused cache, read in place.
 
     Returns:
       ``(out [num_tokens, num_heads, head_dim] in q.dtype, lse f32[num_tokens, num_heads])``.
@@ -567,12 +613,16 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, context_lens, quer
         _ragged_attention_kernel, plgpu=plgpu, scale=scale, group=group, num_tokens=num_tokens,
         block_kv=config.block_kv, num_stages=config.num_stages, num_consumers=consumers,
         ping_pong=ping_pong, soft_cap=logits_soft_cap, window=sliding_window, fused=fused)
+    k_scale_operand, v_scale_operand = kernel_scale_operands(k_scale, v_scale)
     kernel_body, optional = with_optional_operands(body, 7, {
         "alibi": None if alibi_slopes is None else alibi_slopes.astype(jnp.float32),
         "sinks": None if sinks is None else sinks.astype(jnp.float32),
+        "k_scale": k_scale_operand,
+        "v_scale": v_scale_operand,
     })
     name = (f"{KERNEL_NAME}_bkv{config.block_kv}_st{config.num_stages}_c{consumers}"
             f"_g{group}_d{head_dim}_bs{k_cache.shape[1]}" + ("_pp" if ping_pong else "")
+            + ("_fp8" if jnp.dtype(k_cache.dtype) == FP8 else "")
             + ("_fused" if fused else ""))
     out, lse_tiles = plgpu.kernel(
         kernel_body,

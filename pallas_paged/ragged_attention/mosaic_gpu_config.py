@@ -53,10 +53,13 @@ def get_mosaic_heuristic_config(shape: AttentionShape) -> MosaicAttentionConfig:
 
     Two ping-ponging consumers on 128-token K/V tiles in two stages up to head_dim 128 (the
     structure of FlashAttention-3's forward kernel); past it, one consumer on 64-token tiles, so
-    that the queries, the ring and the output's staging fit one CTA's shared memory.
+    that the queries, the ring and the output's staging fit one CTA's shared memory. fp8 caches
+    add a ring of the tiles converted to the query's dtype: 64-token tiles.
     """
     if shape.head_dim > 128:
         return MosaicAttentionConfig(block_kv=64, num_stages=2, num_consumers=1, ping_pong=False)
+    if shape.cache_dtype == "float8_e4m3fn":
+        return MosaicAttentionConfig(block_kv=64)
     return MosaicAttentionConfig()
 
 
