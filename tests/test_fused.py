@@ -20,7 +20,7 @@ import torch_ref
 
 import pallas_paged as pp
 from pallas_paged import _mosaic_common
-from pallas_paged.compat import ragged_paged_attention
+from pallas_paged.compat import ragged_paged_attention, ragged_paged_attention_v3
 from paged_inputs import (FP8, NP_DTYPES, assert_close, bits, draw_write, launched_ops,
                           lower_for_cuda, make_paged, make_ragged, reference, to_numpy, to_torch)
 
@@ -295,3 +295,118 @@ def test_compat_under_jit_with_a_traced_num_seqs(rng):
     cu = args[4]
     np.testing.assert_array_equal(bits(fewer)[:cu[2]], bits(first)[:cu[2]])
     assert (to_numpy(fewer)[cu[2]:].astype(np.float32) == 0).all()
+
+
+# --- tpu-inference's v3 signature: the new tokens written, then attention -------------------------
+
+def tpu_v3_batch(rng, *, dtype, num_seqs, head_dim=64, padded_dim=128, max_seqs=5, page_size=8,
+                 kvh=2, num_heads=8):
+    """A ragged batch in v3's arguments (the packed cache holding garbage, new keys/values in
+    the cache's dtype), and the cache every new row written (numpy, the fused 4-D view)."""
+    q, pages4, kv_lens, tables, cu_q_lens, num_seqs_arr = tpu_batch(
+        rng, dtype=dtype, num_seqs=num_seqs, max_seqs=max_seqs, page_size=page_size, kvh=kvh,
+        num_heads=num_heads, head_dim=head_dim)
+    total_pages = pages4.shape[0]
+    garbage = rng.standard_normal((total_pages, page_size, 2 * kvh, padded_dim))
+    with np.errstate(over="ignore"):
+        pages4 = garbage.astype(np.float32).astype(pages4.dtype)
+    num_tokens = q.shape[0]
+    keys, values = (rng.standard_normal((num_tokens, kvh, head_dim)).astype(np.float32)
+                    .astype(pages4.dtype) for _ in range(2))
+    written = pages4.copy()
+    for b in range(num_seqs):
+        q_len = cu_q_lens[b + 1] - cu_q_lens[b]
+        for j in range(q_len):
+            t, pos = cu_q_lens[b] + j, kv_lens[b] - q_len + j
+            row = written[tables[b, pos // page_size], pos % page_size]
+            row[0::2] = row[1::2] = 0
+            row[0::2, :head_dim], row[1::2, :head_dim] = keys[t], values[t]
+    packing = 4 // np.dtype(pages4.dtype).itemsize
+    packed = pages4.reshape(total_pages, page_size, 2 * kvh // packing, packing, padded_dim)
+    distribution = np.array([0, 0, num_seqs], np.int32)
+    return (q, keys, values, packed, kv_lens, tables.reshape(-1), cu_q_lens, distribution), written
+
+
+@pytest.mark.parametrize("dtype,head_dim,padded_dim", [
+    ("bfloat16", 64, 128),                                       # two heads a word, D padded
+    pytest.param(FP8, 64, 64, marks=pytest.mark.slow),           # four heads a word
+    pytest.param("float32", 128, 128, marks=pytest.mark.slow)])  # one
+@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_v3_writes_every_new_row_then_attends_as_the_truth(rng, impl, dtype, head_dim,
+                                                           padded_dim):
+    """The cache after the call is the given one with each sequence's new rows at their
+    positions (bit for bit; the padded head columns zero), nothing else changed, sequences past
+    ``distribution[2]`` untouched; the output is the float64 truth over that cache within
+    FlashAttention's rule, zero past the last sequence's rows. A window of 5 drops none of the
+    new rows (TPU's kernel skips some with a window)."""
+    args, written = tpu_v3_batch(rng, dtype=dtype, num_seqs=4, head_dim=head_dim,
+                                 padded_dim=padded_dim)
+    q, _, _, packed, kv_lens, flat_tables, cu_q_lens, distribution = args
+    scales = scales_for(dtype)
+    sm_scale = head_dim ** -0.5
+    out, cache = ragged_paged_attention_v3(
+        *map(jnp.asarray, args), sm_scale=sm_scale, sliding_window=5, soft_cap=20.0,
+        impl=impl, chunk_prefill_size=16, vmem_limit_bytes=1 << 20, **scales)
+    assert cache.shape == packed.shape and cache.dtype == packed.dtype
+    np.testing.assert_array_equal(bits(cache), bits(written.reshape(packed.shape)))
+    used = int(cu_q_lens[4])
+    lens = np.where(np.arange(len(kv_lens)) < 4, kv_lens, 0)
+    qsl = np.where(np.arange(len(cu_q_lens)) <= 4, cu_q_lens, used)
+    k_half, v_half = written[:, :, 0::2, :head_dim], written[:, :, 1::2, :head_dim]
+    ref = reference(q, k_half, v_half, flat_tables.reshape(len(kv_lens), -1), lens, sm_scale,
+                    query_start_loc=qsl, sliding_window=5, logits_soft_cap=20.0, **scales)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(ref, out)
+    assert (to_numpy(out)[used:].astype(np.float32) == 0).all()
+
+
+def test_v3_without_the_update_reads_the_cache_as_given(rng):
+    """``update_kv_cache=False``: the cache comes back unchanged and the output is
+    `ragged_paged_attention`'s over it (the same bits)."""
+    args, _ = tpu_v3_batch(rng, dtype="bfloat16", num_seqs=3, head_dim=128, padded_dim=128)
+    q, keys, values, packed, kv_lens, flat_tables, cu_q_lens, distribution = map(jnp.asarray,
+                                                                                  args)
+    out, cache = ragged_paged_attention_v3(
+        q, keys * jnp.nan, values, packed, kv_lens, flat_tables, cu_q_lens, distribution,
+        update_kv_cache=False, sm_scale=0.1)
+    np.testing.assert_array_equal(bits(cache), bits(packed))
+    fused = packed.reshape(*packed.shape[:2], -1, packed.shape[-1])
+    want = ragged_paged_attention(q, fused, kv_lens, flat_tables.reshape(len(kv_lens), -1),
+                                  cu_q_lens, distribution[2:], sm_scale=0.1)
+    np.testing.assert_array_equal(bits(out), bits(want))
+
+
+def test_v3_under_jit_donates_the_cache_and_serves_every_distribution(rng):
+    """Jitted with the cache donated (as the engines call it): one program for every
+    ``distribution``, the cache updated in place."""
+    args, written = tpu_v3_batch(rng, dtype="bfloat16", num_seqs=4, head_dim=128, padded_dim=128)
+    run = jax.jit(functools.partial(ragged_paged_attention_v3, sm_scale=0.1),
+                  donate_argnums=(3,))
+    args = list(map(jnp.asarray, args))
+    out, cache = run(*args)
+    np.testing.assert_array_equal(bits(cache), bits(written.reshape(cache.shape)))
+    programs = run._cache_size()
+    args[3], args[7] = cache, jnp.array([0, 0, 2], jnp.int32)
+    run(*args)
+    assert run._cache_size() == programs
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(use_causal_mask=False), r"use_causal_mask=False: only causal attention"),
+    (dict(distribution=jnp.zeros((2,), jnp.int32)), r"distribution.shape=\(2,\) must be \(3,\)"),
+    (dict(kv_cache=jnp.zeros((6, 8, 4, 128), jnp.bfloat16)), r"TPU's packed fused cache"),
+    (dict(kv_cache=jnp.zeros((6, 8, 4, 1, 128), jnp.bfloat16)), r"must pack the 4 combined"),
+    (dict(keys=jnp.zeros((7, 2, 64), jnp.float32)), r"keys.dtype=float32 must be the cache's"),
+    (dict(page_indices=jnp.zeros((7,), jnp.int32)), r"page_indices.shape=\(7,\) must hold"),
+])
+def test_v3_refusals_name_the_argument(rng, change, match):
+    args, _ = tpu_v3_batch(rng, dtype="bfloat16", num_seqs=2, head_dim=64, padded_dim=128)
+    names = ("queries", "keys", "values", "kv_cache", "kv_lens", "page_indices", "cu_q_lens",
+             "distribution")
+    kwargs = dict(zip(names, map(jnp.asarray, args)))
+    if "keys" in change:
+        change = dict(keys=jnp.zeros((args[0].shape[0], 2, 64), jnp.float32))
+    kwargs.update(change)
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k not in names}
+    with pytest.raises(ValueError, match=match):
+        ragged_paged_attention_v3(*(kwargs[n] for n in names), **options)
