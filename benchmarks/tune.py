@@ -14,6 +14,8 @@
 - ``ragged``: `AttentionConfig` around the heuristic's (splits and tiles for decode-like shapes,
   query tiles, short tiles, warps and stages for the others); ``TUNED`` of
   ``pallas_paged/ragged_attention/pallas_triton_config.py``.
+- ``ragged --impl mosaic``: `MosaicAttentionConfig` (tile size, stages, consumers, ping-pong)
+  that the kernel takes; ``MOSAIC_TUNED`` of ``ragged_attention/mosaic_gpu_config.py``.
 
 Each candidate is checked against the float64 oracle before it is timed, as `benchmarks.decode`
 and `benchmarks.ragged` check and time their rows (loop mode); a WRONG candidate is never best
@@ -47,7 +49,10 @@ from pallas_paged._triton_common import kv_ring_depth
 from pallas_paged.decode_attention import mosaic_gpu, mosaic_gpu_config, pallas_triton_config
 from pallas_paged.decode_attention.api import decode_shape
 from pallas_paged.decode_attention.shape import shape_class as decode_class
+from pallas_paged.ragged_attention import mosaic_gpu as ragged_mosaic
+from pallas_paged.ragged_attention import mosaic_gpu_config as ragged_mosaic_config
 from pallas_paged.ragged_attention import pallas_triton_config as ragged_config
+from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfig
 from pallas_paged.ragged_attention.api import attention_shape
 from pallas_paged.ragged_attention.shape import shape_class as ragged_class
 
@@ -63,6 +68,9 @@ TABLES = {
     ("decode", "mosaic"): ("pallas_paged/decode_attention/mosaic_gpu_config.py", "MOSAIC_TUNED",
                            "cache dtype, head_dim, group, block_size, batch, capacity"),
     ("ragged", "pallas"): ("pallas_paged/ragged_attention/pallas_triton_config.py", "TUNED",
+                           "cache dtype, head_dim, group, block_size, batch, num_tokens,"
+                           " capacity"),
+    ("ragged", "mosaic"): ("pallas_paged/ragged_attention/mosaic_gpu_config.py", "MOSAIC_TUNED",
                            "cache dtype, head_dim, group, block_size, batch, num_tokens,"
                            " capacity"),
 }
@@ -162,9 +170,26 @@ def ragged_candidates(shape, heuristic, ranked, sms) -> list:
                                               (8, True, 64, 4, 3))]
 
 
+def ragged_mosaic_candidates(shape, heuristic, ranked, sms) -> list:
+    """64- and 128-token tiles x 2, 3 and 4 stages x two consumers with and without ping-pong,
+    and one: the configs the kernel takes for the shape (the rest are left out)."""
+    out = []
+    for block_kv, stages, (consumers, ping_pong) in itertools.product(
+            (64, 128), (2, 3, 4), ((2, True), (2, False), (1, False))):
+        config = MosaicAttentionConfig(block_kv=block_kv, num_stages=stages,
+                                       num_consumers=consumers, ping_pong=ping_pong)
+        try:
+            ragged_mosaic.check_supported(*shape.abstract_args()[:2], config)
+        except ValueError:  # e.g. more shared memory than a CTA has
+            continue
+        out.append(config)
+    return out
+
+
 STAGES = {("decode", "pallas"): (decode_tiles, decode_warps, decode_runners_up),
           ("decode", "mosaic"): (mosaic_candidates,),
-          ("ragged", "pallas"): (ragged_candidates,)}
+          ("ragged", "pallas"): (ragged_candidates,),
+          ("ragged", "mosaic"): (ragged_mosaic_candidates,)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,6 +201,9 @@ def facts(op: str, impl: str, shape) -> tuple:
     kind, sms = device_kind(), sm_count()
     if op == "ragged":
         found = attention_shape(*shape.abstract_args()[:3])
+        if impl == "mosaic":
+            return (ragged_class(found), ragged_mosaic_config.get_mosaic_heuristic_config(found),
+                    ragged_mosaic_config.lookup_mosaic(found, kind))
         return (ragged_class(found), ragged_config.get_heuristic_config(found, sms),
                 ragged_config.lookup(found, kind, sms))
     found = decode_shape(*shape.abstract_args())
@@ -212,7 +240,7 @@ def tune_shape(op: str, impl: str, shape, s, interpret: bool, smoke: bool) -> di
             budget -= counted
             if op == "ragged":
                 def call(q, t, k, v, n, qsl, config=config):
-                    return paged_attention(q, k, v, t, n, qsl, impl="pallas", config=config,
+                    return paged_attention(q, k, v, t, n, qsl, impl=impl, config=config,
                                            interpret=interpret, **shape.scales)
             else:
                 def call(q, t, k, v, n, config=config):
@@ -292,7 +320,8 @@ def load_table(path: str, name: str) -> dict:
         spec.loader.exec_module(module)
     finally:
         del sys.modules[spec.name]
-    classes = {cls.__name__: cls for cls in (DecodeConfig, MosaicDecodeConfig, AttentionConfig)}
+    classes = {cls.__name__: cls for cls in (DecodeConfig, MosaicDecodeConfig, AttentionConfig,
+                                             MosaicAttentionConfig)}
     return {kind: {key: classes[type(c).__name__](**dataclasses.asdict(c))  # the library's own
                    for key, c in entries.items()}
             for kind, entries in getattr(module, name).items()}

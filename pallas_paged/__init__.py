@@ -22,7 +22,8 @@ implementation shares in ``_attention_common.py``; fp8 scales and quantization i
   takes JAX's TPU ``ragged_paged_attention`` signature.
 - `validate_write_inputs`, `validate_decode_inputs`, `validate_attention_inputs`: eager value
   checks for untrusted inputs.
-- `DecodeConfig`, `MosaicDecodeConfig`, `AttentionConfig`: the kernels' knobs.
+- `DecodeConfig`, `MosaicDecodeConfig`, `AttentionConfig`, `MosaicAttentionConfig`: the kernels'
+  knobs.
 - `shard_decode`, `shard_paged_attention`, `shard_write_kv`: the same under `jax.shard_map`, kv
   heads (tensor-parallel) and/or sequences (batch-parallel) across devices, with no communication.
 """
@@ -36,6 +37,7 @@ from pallas_paged.decode_attention.mosaic_gpu_config import MosaicDecodeConfig
 from pallas_paged.decode_attention.pallas_triton_config import DecodeConfig, get_heuristic_config
 from pallas_paged.decode_attention.shape import DecodeShape
 from pallas_paged.ragged_attention.api import paged_attention, paged_attention_fused
+from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfig
 from pallas_paged.ragged_attention.pallas_triton_config import AttentionConfig
 from pallas_paged.ragged_attention.shape import AttentionShape
 from pallas_paged.sharding import (attention_shardings, decode_shardings, shard_decode,
@@ -54,6 +56,7 @@ __all__ = [
     "DecodeConfig",
     "MosaicDecodeConfig",
     "AttentionConfig",
+    "MosaicAttentionConfig",
     "AttentionShape",
     "DecodeShape",
     "get_heuristic_config",

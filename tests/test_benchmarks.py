@@ -26,7 +26,9 @@ import pytest
 
 import pallas_paged as pp
 from benchmarks import _cli, ceilings, decode, ragged, shapes, timing, tune, write
-from pallas_paged import AttentionConfig, DecodeConfig, MosaicDecodeConfig, _mosaic_common
+from pallas_paged import (AttentionConfig, DecodeConfig, MosaicAttentionConfig, MosaicDecodeConfig,
+                          _mosaic_common)
+from pallas_paged.ragged_attention import mosaic_gpu as ragged_mosaic
 from pallas_paged._triton_common import kv_ring_depth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -583,7 +585,21 @@ def test_tune_ragged_smoke(tmp_path):
     [record] = json.loads(path.read_text())["shapes"]
     assert record["heuristic"].startswith("bq1/") and len(record["rows"]) >= 2
     with pytest.raises(SystemExit):
-        tune.main(["ragged", "--impl", "mosaic"])
+        tune.main(["ragged", "--impl", "triton"])
+
+
+@pytest.mark.parametrize("name,count,only", [
+    ("prefill_b4_q2048", 12, None),                       # the 12 of 18 that fit
+    ("fp8_mixed_4x512c2560_60dec4096", 6, None),          # the converted ring: 6 fit
+    ("d256_decode_b32_ctx4096", 1, MosaicAttentionConfig(block_kv=64, num_stages=2,
+                                                         num_consumers=1, ping_pong=False))])
+def test_tune_ragged_mosaic_candidates_are_configs_the_kernel_takes(name, count, only):
+    shape = shapes.shape_by_name(name)
+    found = tune.ragged_mosaic_candidates(shape, None, [], 132)
+    assert len(found) == len(set(found)) == count
+    for config in found:
+        ragged_mosaic.check_supported(*shape.abstract_args()[:2], config)
+    assert only is None or found == [only]
 
 
 @needs_mosaic
@@ -671,7 +687,10 @@ def test_tune_rewrites_one_device_kinds_entries_on_a_copy(tmp_path):
                         fp8_v_in_producer=True)),
     ("pallas_paged/ragged_attention/pallas_triton_config.py", "TUNED",
      ("bfloat16", 128, 4, 16, 64, 2048, 4096),
-     AttentionConfig(block_q=16, short_block_q=4, num_stages=3))])
+     AttentionConfig(block_q=16, short_block_q=4, num_stages=3)),
+    ("pallas_paged/ragged_attention/mosaic_gpu_config.py", "MOSAIC_TUNED",
+     ("bfloat16", 128, 4, 16, 4, 8192, 2048),
+     MosaicAttentionConfig(block_kv=64, num_stages=3, num_consumers=2, ping_pong=False))])
 def test_tune_rewrites_and_empties_the_other_tables_on_a_copy(tmp_path, module, table, key,
                                                              config):
     path, real_text = _config_module(tmp_path, module)
