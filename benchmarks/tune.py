@@ -172,17 +172,30 @@ def ragged_candidates(shape, heuristic, ranked, sms) -> list:
 
 def ragged_mosaic_candidates(shape, heuristic, ranked, sms) -> list:
     """64- and 128-token tiles x 2, 3 and 4 stages x two consumers with and without ping-pong,
-    and one: the configs the kernel takes for the shape (the rest are left out)."""
+    and one: the configs the kernel takes for the shape (the rest are left out); where the
+    shape has one-token sequences, the ping-pong ones again with ``decode_rows``."""
+    configs = _ragged_mosaic_tiles(shape)
+    if any(q_len == 1 for _, q_len, _ in shape.seqs):
+        configs += [dataclasses.replace(c, decode_rows=True) for c in configs if c.ping_pong]
+    return [c for c in configs if _takes(shape, c)]
+
+
+def _takes(shape, config) -> bool:
+    try:
+        ragged_mosaic.check_supported(*shape.abstract_args()[:2], config)
+    except ValueError:
+        return False
+    return True
+
+
+def _ragged_mosaic_tiles(shape) -> list:
     out = []
     for block_kv, stages, (consumers, ping_pong) in itertools.product(
             (64, 128), (2, 3, 4), ((2, True), (2, False), (1, False))):
         config = MosaicAttentionConfig(block_kv=block_kv, num_stages=stages,
                                        num_consumers=consumers, ping_pong=ping_pong)
-        try:
-            ragged_mosaic.check_supported(*shape.abstract_args()[:2], config)
-        except ValueError:  # e.g. more shared memory than a CTA has
-            continue
-        out.append(config)
+        if _takes(shape, config):  # else e.g. more shared memory than a CTA has
+            out.append(config)
     return out
 
 

@@ -262,6 +262,48 @@ def test_fp8_scales_as_arrays_one_program_for_every_scale(rng):
     assert len(traces) == 1
 
 
+DECODE_ROWS = M(block_kv=64, num_stages=2, num_consumers=2, ping_pong=True, decode_rows=True)
+
+
+@needs_kernel_api
+@pytest.mark.parametrize("cache,options", [
+    ("bfloat16", "all"),
+    pytest.param("float8_e4m3fn", "all", marks=SLOW),
+    pytest.param("bfloat16", "fused", marks=SLOW),
+])
+def test_decode_rows_through_the_decode_kernel(rng, cache, options):
+    """`MosaicAttentionConfig.decode_rows`: the one-token sequences of a mixed batch (MIX has
+    two: a decode and, at the end, none) computed by the Mosaic decode kernel, the others by the
+    ragged kernel, every row and lse against the truth with every option (and an fp8 cache, and
+    the fused cache: the same bits as the pair)."""
+    seqs = MIX + [(1, 50)]
+    problem = make_ragged(rng, seqs, pad=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                          block_size=16, dtype=cache, q_dtype="bfloat16")
+    scales = dict(k_scale=0.25, v_scale=0.75) if cache == "float8_e4m3fn" else {}
+    every = every_option(rng, 4)
+    out, lse = check(problem, DECODE_ROWS, **scales, **every)
+    if options == "fused":
+        q, k_cache, v_cache, *rest = problem.jax()
+        kv = jnp.stack([k_cache, v_cache], axis=3).reshape(*k_cache.shape[:2], -1,
+                                                           k_cache.shape[3])
+        fused, fused_lse = pp.paged_attention_fused(q, kv, *rest, impl="mosaic",
+                                                    config=DECODE_ROWS, return_lse=True,
+                                                    **jax_options(every))
+        np.testing.assert_array_equal(bits(fused), bits(out))
+        np.testing.assert_array_equal(bits(fused_lse), bits(lse))
+
+
+@needs_kernel_api
+def test_decode_rows_refused_where_the_decode_kernel_refuses(rng):
+    """A group of 128 query heads: the ragged kernel takes it, the decode kernel (up to 64) does
+    not, so decode_rows=True is a ValueError naming both ways out."""
+    problem = make_ragged(rng, [(3, 12)], num_heads=128, num_kv_heads=1, head_dim=64,
+                          block_size=16, dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"decode_rows=True needs the Mosaic decode kernel.*up"
+                                         r" to 64 query heads.*decode_rows=False"):
+        pp.paged_attention(*problem.jax(), impl="mosaic", interpret=True, config=DECODE_ROWS)
+
+
 # --- refusals ------------------------------------------------------------------------------------
 
 @needs_kernel_api

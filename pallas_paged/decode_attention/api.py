@@ -26,7 +26,7 @@ from pallas_paged.decode_attention.mosaic_gpu import decode_mosaic
 from pallas_paged.decode_attention.mosaic_gpu_config import MosaicDecodeConfig
 from pallas_paged.decode_attention.pallas_triton import decode_pallas
 from pallas_paged.decode_attention.pallas_triton_config import DecodeConfig
-from pallas_paged.decode_attention.shape import DecodeShape, shape_class
+from pallas_paged.decode_attention.shape import decode_shape, shape_class
 from pallas_paged.decode_attention.xla import decode_xla
 
 DECODE_IMPLS = ("auto", "pallas", "xla", "mosaic")
@@ -39,15 +39,6 @@ IMPL_CHOICE: dict[str, dict[tuple, str]] = {
         ("bfloat16", 256, 4, 16, 32, 4096): "mosaic",
     },
 }
-
-
-def decode_shape(q, k_cache, block_tables) -> DecodeShape:
-    """The static facts of a call that its kernel and config depend on."""
-    batch, num_heads, head_dim = q.shape
-    _, block_size, kvh, _ = k_cache.shape
-    return DecodeShape(batch=batch, num_kv_heads=kvh, group=num_heads // kvh, head_dim=head_dim,
-                       block_size=block_size, capacity=block_tables.shape[1] * block_size,
-                       cache_dtype=jnp.dtype(k_cache.dtype).name)
 
 
 def select_kernel(q, k_cache, block_tables, *, impl: str, config, interpret: bool):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from pallas_paged._platform import next_power_of_2
 
 
@@ -29,3 +31,13 @@ def shape_class(shape: DecodeShape) -> tuple:
     measured entry covers its neighbours."""
     return (shape.cache_dtype, next_power_of_2(shape.head_dim), next_power_of_2(shape.group),
             shape.block_size, next_power_of_2(shape.batch), next_power_of_2(shape.capacity))
+
+
+def decode_shape(q, k_cache, block_tables) -> DecodeShape:
+    """The static facts of a call that its kernel and config depend on (reads ``.shape`` and
+    ``.dtype`` only)."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    return DecodeShape(batch=batch, num_kv_heads=kvh, group=num_heads // kvh, head_dim=head_dim,
+                       block_size=block_size, capacity=block_tables.shape[1] * block_size,
+                       cache_dtype=jnp.dtype(k_cache.dtype).name)

@@ -74,6 +74,10 @@ from jax.experimental import pallas as pl
 
 from pallas_paged._attention_common import divides, kv_head_rows, num_kv_heads
 from pallas_paged._fp8 import kernel_scale_operands
+from pallas_paged._platform import device_kind, sm_count
+from pallas_paged.decode_attention import mosaic_gpu as decode_kernel
+from pallas_paged.decode_attention import mosaic_gpu_config as decode_config
+from pallas_paged.decode_attention.shape import decode_shape
 from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, PRODUCER_REGISTERS, allocated,
                                          check_device, check_head_dim, check_jax,
                                          check_pages_fit_tiles, check_query_dtype,
@@ -119,23 +123,35 @@ def num_work_tiles(num_tokens: int, batch: int, tokens: int) -> int:
     return max(1, min(-(-num_tokens // tokens) + batch, num_tokens))
 
 
-def work_list(starts, lens, *, num_tokens: int, tokens: int, programs: int, window: int | None):
+def query_tiles(starts, *, num_tokens: int, tokens: int, skip=None):
+    """``(q_len, tiles)``, i32[batch + 1] each: every sequence's query rows (the last entry: the
+    padding rows ``[starts[batch], num_tokens)``) and its ``ceil(q_len / tokens)`` tiles, none
+    where ``skip`` (bool[batch], or None) is set."""
+    ends = jnp.concatenate([starts[1:], jnp.full((1,), num_tokens, jnp.int32)])
+    q_len = ends - starts
+    tiles = (q_len + tokens - 1) // tokens
+    if skip is not None:
+        tiles = jnp.where(jnp.concatenate([skip, jnp.zeros((1,), bool)]), 0, tiles)
+    return q_len, tiles
+
+
+def work_list(starts, lens, *, num_tokens: int, tokens: int, programs: int, window: int | None,
+              skip=None):
     """The query tiles, longest first: ``i32[2, programs]`` (sequence, tile), in XLA.
 
     Sequence ``b`` (``b == batch``: the padding rows ``[starts[batch], num_tokens)``, with no
-    keys) has ``ceil(q_len_b / tokens)`` tiles. They are ordered by the K/V positions their
-    queries attend, most first (ties in order); entries past the last tile hold ``batch + 1``
-    (no work).
+    keys) has ``ceil(q_len_b / tokens)`` tiles, none where ``skip[b]`` (`query_tiles`). They are
+    ordered by the K/V positions their queries attend, most first (ties in order); entries past
+    the last tile hold ``batch + 1`` (no work).
 
     Args:
       starts: i32[batch + 1], the clamped, non-decreasing query start locations.
       lens: i32[batch], the clamped lengths.
+      skip: bool[batch] or None, sequences computed elsewhere (`MosaicAttentionConfig.decode_rows`).
     """
     batch = lens.shape[0]
-    ends = jnp.concatenate([starts[1:], jnp.full((1,), num_tokens, jnp.int32)])
-    q_len = ends - starts                                     # i32[batch + 1]
+    q_len, tiles = query_tiles(starts, num_tokens=num_tokens, tokens=tokens, skip=skip)
     n = jnp.concatenate([lens, jnp.zeros((1,), jnp.int32)])   # the pseudo-sequence has no keys
-    tiles = (q_len + tokens - 1) // tokens
     tile_end = jnp.cumsum(tiles)
     index = jnp.arange(programs, dtype=jnp.int32)
     b = jnp.searchsorted(tile_end, index, side="right").astype(jnp.int32)  # batch + 1: none
@@ -180,6 +196,13 @@ def check_supported(q, k_cache, config: MosaicAttentionConfig) -> None:
             f" k_cache.dtype={jnp.dtype(k_cache.dtype)} with q.dtype={jnp.dtype(q.dtype)}")
     check_head_dim(q, SUPPORTED_HEAD_DIMS)
     check_pages_fit_tiles(k_cache, config.block_kv, "block_kv")
+    if config.decode_rows:
+        rows = jax.ShapeDtypeStruct((1, *q.shape[1:]), q.dtype)
+        try:
+            decode_kernel.check_supported(rows, k_cache, decode_kernel.SMALLEST_CONFIG)
+        except ValueError as e:
+            raise ValueError(f"config={config}: decode_rows=True needs the Mosaic decode kernel,"
+                             f" which refuses the call ({e}); decode_rows=False") from None
     need = smem_bytes(head_dim, q.dtype, config, k_cache.dtype)
     if need > MAX_SMEM_BYTES:
         fp8 = " (fp8 caches: else impl='pallas')" if jnp.dtype(k_cache.dtype) == FP8 else ""
@@ -539,10 +562,11 @@ def _ragged_attention_kernel(
 
 
 def gather_lse(lse_tiles, work, starts, *, num_tokens: int, num_heads: int, group: int,
-               num_consumers: int, padded_tokens: int):
+               num_consumers: int, padded_tokens: int, skip=None):
     """Each token's lse from the consumers' rows ``lse_tiles f32[CTAs, C, 64]`` (XLA, after the
     kernel): token ``t`` of sequence ``b`` lies in tile ``(t - starts[b]) // tokens``, whose rank
-    in the work list gives its CTAs, and in row ``t - t0_load`` of its consumer's tile.
+    in the work list gives its CTAs, and in row ``t - t0_load`` of its consumer's tile. Rows of
+    sequences ``skip`` left out of the work list get meaningless values.
 
     Returns:
       ``f32[num_tokens, num_heads]``.
@@ -552,8 +576,7 @@ def gather_lse(lse_tiles, work, starts, *, num_tokens: int, num_heads: int, grou
     head_blocks = group // heads
     kvh = num_heads // group
     batch = starts.shape[0] - 1
-    ends = jnp.concatenate([starts[1:], jnp.full((1,), num_tokens, jnp.int32)])
-    tiles = (ends - starts + tokens - 1) // tokens
+    _, tiles = query_tiles(starts, num_tokens=num_tokens, tokens=tokens, skip=skip)
     tile_start = jnp.cumsum(tiles) - tiles                    # i32[batch + 1]
     programs = work.shape[1]
     index = tile_start[jnp.minimum(work[0], batch)] + work[1]  # the tile of each rank
@@ -603,8 +626,17 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, context_lens, quer
     programs = num_work_tiles(num_tokens, batch, tokens)
     starts = query_start_loc.astype(jnp.int32)
     lens = context_lens.astype(jnp.int32)
+    options = dict(scale=scale, interpret=interpret, logits_soft_cap=logits_soft_cap,
+                   alibi_slopes=alibi_slopes, sliding_window=sliding_window, sinks=sinks,
+                   k_scale=k_scale, v_scale=v_scale, fused=fused)
+    decodes = None
+    if config.decode_rows:  # one-token sequences through the decode kernel
+        decodes = (starts[1:] - starts[:-1]) == 1
+        rows = jnp.clip(starts[:-1], 0, num_tokens - 1)
+        out_rows, lse_rows = _decode_rows(q[rows], k_cache, v_cache, block_tables,
+                                          jnp.where(decodes, lens, 0), **options)
     work = work_list(starts, lens, num_tokens=num_tokens, tokens=tokens, programs=programs,
-                     window=sliding_window)
+                     window=sliding_window, skip=decodes)
     q_in = q if num_tokens >= MMA_ROWS else jnp.pad(
         q, ((0, MMA_ROWS - num_tokens), (0, 0), (0, 0)))
     ctas = programs * kvh * head_blocks
@@ -637,5 +669,26 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, context_lens, quer
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(work, starts, lens, block_tables.astype(jnp.int32), q_in, k_cache, v_cache, *optional)
     lse = gather_lse(lse_tiles, work, starts, num_tokens=num_tokens, num_heads=num_heads,
-                     group=group, num_consumers=consumers, padded_tokens=q_in.shape[0])
+                     group=group, num_consumers=consumers, padded_tokens=q_in.shape[0],
+                     skip=decodes)
+    if decodes is not None:  # the decode kernel's rows in place of rows no CTA wrote
+        target = jnp.where(decodes, rows, num_tokens)
+        out = out.at[target].set(out_rows, mode="drop")
+        lse = lse.at[target].set(lse_rows, mode="drop")
     return out, lse
+
+
+def _decode_rows(q_rows, k_cache, v_cache, block_tables, context_lens, *, fused: bool,
+                 interpret: bool, **options):
+    """`decode_mosaic` over ``q_rows [batch, num_heads, head_dim]`` (each sequence's first query
+    row; lengths 0 where the sequence is not a decode, so its K/V is never read), with the
+    config `pallas_paged.decode` would pick for the batch (else decode's smallest): ``(out,
+    lse)`` per sequence."""
+    k_half = jax.ShapeDtypeStruct(
+        (*k_cache.shape[:2], num_kv_heads(k_cache.shape, fused), k_cache.shape[3]), k_cache.dtype)
+    config = decode_config.lookup_mosaic(decode_shape(q_rows, k_half, block_tables),
+                                         device_kind(), sm_count())
+    if decode_kernel.refusal(q_rows, k_half, config, interpret) is not None:
+        config = decode_kernel.SMALLEST_CONFIG
+    return decode_kernel.decode_mosaic(q_rows, k_cache, v_cache, block_tables, context_lens,
+                                       config=config, interpret=interpret, fused=fused, **options)

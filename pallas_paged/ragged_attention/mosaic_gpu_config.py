@@ -25,20 +25,27 @@ class MosaicAttentionConfig:
       ping_pong: with 2 consumers, a schedule barrier orders their wgmmas so that one's softmax
         runs while the other's products occupy the tensor cores (FlashAttention-3's
         inter-warpgroup overlap).
+      decode_rows: sequences with one query token (decodes) go to the Mosaic decode kernel in
+        the same call (its config looked up as `pallas_paged.decode` would for the batch),
+        which puts the GQA group, not 64 tokens of one head, in the wgmmas; the ragged
+        kernel's work list leaves them out.
     """
 
     block_kv: int = 128
     num_stages: int = 2
     num_consumers: int = 2
     ping_pong: bool = True
+    decode_rows: bool = False
 
     def __post_init__(self):
         for name in ("block_kv", "num_stages", "num_consumers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MosaicAttentionConfig.{name}={value!r} must be a positive int")
-        if not isinstance(self.ping_pong, bool):
-            raise ValueError(f"MosaicAttentionConfig.ping_pong={self.ping_pong!r} must be a bool")
+        for name in ("ping_pong", "decode_rows"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"MosaicAttentionConfig.{name}={getattr(self, name)!r} must be a bool")
         if self.block_kv not in (64, 128):
             raise ValueError(f"MosaicAttentionConfig.block_kv={self.block_kv} must be 64 or 128")
         if self.num_stages < 2:
