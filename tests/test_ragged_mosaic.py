@@ -294,6 +294,21 @@ def test_decode_rows_through_the_decode_kernel(rng, cache, options):
 
 
 @needs_kernel_api
+def test_decode_rows_lower_for_cuda_to_both_kernels(monkeypatch):
+    """Compiled, ``decode_rows`` is the decode kernel (and its merge where it splits) beside the
+    ragged kernel in one program."""
+    from pallas_paged.decode_attention import mosaic_gpu as decode_kernel
+
+    monkeypatch.setattr(mosaic_gpu, "check_device", lambda interpret: None)
+    monkeypatch.setattr(decode_kernel, "check_device", lambda interpret: None)
+    fn = lambda *a: pp.paged_attention(*a, impl="mosaic", interpret=False,  # noqa: E731
+                                       config=DECODE_ROWS, check_values=False)
+    text = jax.jit(fn).trace(*_abstract()).lower(lowering_platforms=("cuda",)).as_text()
+    assert mosaic_gpu.KERNEL_NAME in text and decode_kernel.KERNEL_NAME in text
+    assert text.count("stablehlo.custom_call @mosaic_gpu") >= 2
+
+
+@needs_kernel_api
 def test_decode_rows_refused_where_the_decode_kernel_refuses(rng):
     """A group of 128 query heads: the ragged kernel takes it, the decode kernel (up to 64) does
     not, so decode_rows=True is a ValueError naming both ways out."""
