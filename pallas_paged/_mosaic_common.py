@@ -1,5 +1,5 @@
 """What Mosaic GPU kernels share: the jax version and device they need, the interpret-mode
-caveat, and sm_90's shared-memory budget and arithmetic.
+caveat, sm_90's shared-memory budget and arithmetic, and the paged K/V tile copies.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_paged._platform import has_gpu, xla_cpu_threads
 
@@ -123,6 +124,47 @@ def mma_smem(plgpu, shape, dtype, swizzle: int | None = None):
     swizzle = swizzle or mma_swizzle(shape[-1] * itemsize)
     return plgpu.SMEM(shape, dtype, transforms=(
         plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
+
+
+def copies_per_tile(block_size: int, block_kv: int) -> int:
+    """TMA copies of K (and of V) per K/V tile of ``block_kv`` tokens: one per page, or one
+    part of a page larger than the tile."""
+    return block_kv // block_size if block_size <= block_kv else 1
+
+
+def tile_block_ids(tables_ref, row, kv_tile, *, block_size: int, block_kv: int, num_blocks: int,
+                   page_lo, page_hi) -> tuple:
+    """The block ids of ``kv_tile``'s pages (`copies_per_tile` of them), read from
+    ``tables_ref[row]`` at page indices clamped into ``[page_lo, page_hi]`` (so the table is read
+    only where the tiles are), each id clamped into the cache's ``[0, num_blocks)``."""
+    if block_size <= block_kv:
+        copies = copies_per_tile(block_size, block_kv)
+        pages = [kv_tile * copies + j for j in range(copies)]
+    else:
+        pages = [kv_tile // (block_size // block_kv)]
+    return tuple(jnp.clip(tables_ref[row, jnp.clip(page, page_lo, page_hi)], 0, num_blocks - 1)
+                 for page in pages)
+
+
+def copy_kv_tile(plgpu, k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, *, kv_tile, slot, blocks,
+                 k_head, v_head, block_size: int, block_kv: int) -> None:
+    """TMA the K and V rows of ``kv_tile`` (its pages' block ids ``blocks``, `tile_block_ids`)
+    at cache heads ``k_head``/``v_head`` into stage ``slot`` of the rings ``k_smem``/``v_smem``
+    [stages, block_kv, D], each copy arriving on ``k_bars``/``v_bars[slot]`` (whose arrivals:
+    `copies_per_tile`)."""
+    if block_size <= block_kv:
+        for j, block in enumerate(blocks):
+            rows = pl.ds(j * block_size, block_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[block, :, k_head], k_smem.at[slot, rows],
+                                    k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[block, :, v_head], v_smem.at[slot, rows],
+                                    v_bars.at[slot])
+    else:
+        rows = pl.ds((kv_tile % (block_size // block_kv)) * block_kv, block_kv)
+        plgpu.copy_gmem_to_smem(k_ref.at[blocks[0], rows, k_head], k_smem.at[slot],
+                                k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[blocks[0], rows, v_head], v_smem.at[slot],
+                                v_bars.at[slot])
 
 
 def consumer_registers(num_consumers: int) -> int:

@@ -97,8 +97,9 @@ from pallas_paged._fp8 import kernel_scale_operands
 from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, PRODUCER_REGISTERS, allocated,
                                          check_device, check_head_dim, check_jax,
                                          check_pages_fit_tiles, check_query_dtype,
-                                         consumer_registers, ctas_per_sm, import_plgpu, mma_smem,
-                                         mma_swizzle, with_optional_operands)
+                                         consumer_registers, copies_per_tile, copy_kv_tile,
+                                         ctas_per_sm, import_plgpu, mma_smem, mma_swizzle,
+                                         tile_block_ids, with_optional_operands)
 from pallas_paged._platform import sm_count
 from pallas_paged._triton_common import FP16_SAFE_MAX, dot_dtype
 from pallas_paged.decode_attention.mosaic_gpu_config import MosaicDecodeConfig
@@ -742,40 +743,16 @@ def _paged_decode_kernel(
         # its consumer, and with fp8_v_in_producer the producer too); with fp8_v_in_producer,
         # vconv_bars[v_ring] (a converted V tile is ready) and vfree_bars[v_ring] (the consumer
         # is done with it), else None.
-        copies = _copies_per_tile(block_size, block_k)
-
         def block_ids(it, tile):
-            """The ``copies`` block ids of ``tile``'s pages (page index clamped into the pages of
-            item ``it``'s tile range, so the table tail is never read; ids clamped into the
-            cache)."""
-            if block_size <= block_k:
-                pages = [tile * copies + j for j in range(copies)]
-            else:
-                pages = [tile // (block_size // block_k)]
-            return tuple(jnp.clip(tables_ref[it.b, jnp.clip(page, it.page_lo, it.page_hi)], 0,
-                                  num_blocks - 1) for page in pages)
-
-        def k_head(it):  # item it's K rows along the cache's head axis (`kv_head_rows`)
-            return kv_head_rows(it.h, fused)[0]
-
-        def v_head(it):
-            return kv_head_rows(it.h, fused)[1]
+            return tile_block_ids(tables_ref, it.b, tile, block_size=block_size,
+                                  block_kv=block_k, num_blocks=num_blocks, page_lo=it.page_lo,
+                                  page_hi=it.page_hi)
 
         def issue(it, tile, slot, blocks):
-            """TMA the K and V rows of ``tile`` (pages ``blocks``) into stage ``slot``."""
-            if block_size <= block_k:
-                for j, block in enumerate(blocks):
-                    rows = pl.ds(j * block_size, block_size)
-                    plgpu.copy_gmem_to_smem(k_ref.at[block, :, k_head(it)], k_smem.at[slot, rows],
-                                            k_bars.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[block, :, v_head(it)], v_smem.at[slot, rows],
-                                            v_bars.at[slot])
-            else:
-                rows = pl.ds((tile % (block_size // block_k)) * block_k, block_k)
-                plgpu.copy_gmem_to_smem(k_ref.at[blocks[0], rows, k_head(it)], k_smem.at[slot],
-                                        k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[blocks[0], rows, v_head(it)], v_smem.at[slot],
-                                        v_bars.at[slot])
+            k_head, v_head = kv_head_rows(it.h, fused)
+            copy_kv_tile(plgpu, k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, kv_tile=tile,
+                         slot=slot, blocks=blocks, k_head=k_head, v_head=v_head,
+                         block_size=block_size, block_kv=block_k)
 
         def copy_query(it, qslot):
             """TMA item ``it``'s query rows (and slopes, sinks) into slot ``qslot``."""
@@ -1121,8 +1098,8 @@ def _paged_decode_kernel(
                       num_barriers=q_slots),
         # persistent: the consumer is done with a query slot
         plgpu.Barrier(num_barriers=q_slots) if programs is not None else None,
-        plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=_copies_per_tile(block_size, block_k), num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=copies_per_tile(block_size, block_k), num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=copies_per_tile(block_size, block_k), num_barriers=num_stages),
         # a stage's consumer, and with fp8_v_in_producer the producer too, are done with it
         plgpu.Barrier(num_arrivals=1 + fp8_v_in_producer, num_barriers=num_stages),
         plgpu.Barrier(num_barriers=v_ring) if fp8_v_in_producer else None,
@@ -1258,10 +1235,6 @@ def _from_fp8(x, dtype):
     """fp8 -> ``dtype`` (fp16, the one conversion from e4m3 that sm_90 has in hardware; exact)."""
     x = x.astype(jnp.float16)
     return x if jnp.dtype(dtype) == jnp.dtype(jnp.float16) else x.astype(dtype)
-
-
-def _copies_per_tile(block_size: int, block_k: int) -> int:
-    return block_k // block_size if block_size <= block_k else 1
 
 
 def decode_kernel_call(q, k_cache, v_cache, block_tables, context_lens, *, scale,

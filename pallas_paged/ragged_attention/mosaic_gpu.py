@@ -81,7 +81,8 @@ from pallas_paged.decode_attention.shape import decode_shape
 from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, PRODUCER_REGISTERS, allocated,
                                          check_device, check_head_dim, check_jax,
                                          check_pages_fit_tiles, check_query_dtype,
-                                         consumer_registers, import_plgpu, mma_smem,
+                                         consumer_registers, copies_per_tile, copy_kv_tile,
+                                         import_plgpu, mma_smem, tile_block_ids,
                                          with_optional_operands)
 from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfig
 from pallas_paged.ragged_attention.tiles import kv_tile_plan
@@ -260,7 +261,7 @@ def _ragged_attention_kernel(
     heads = heads_per_cta(group, num_consumers)
     head_blocks = group // heads
     tokens = tokens_per_cta(group, num_consumers)
-    copies = block_kv // block_size if block_size <= block_kv else 1
+    copies = copies_per_tile(block_size, block_kv)
     width = staging_columns(head_dim)
     converts = k_ref.dtype != dtype  # fp8 caches
     column_parts = [pl.ds(lo, width) for lo in range(0, head_dim, width)]
@@ -312,30 +313,14 @@ def _ragged_attention_kernel(
         wg = jax.lax.axis_index("wg")
 
         def block_ids(kv_tile):
-            """The block ids of ``kv_tile``'s pages (page index clamped into the CTA's pages, so
-            the table is read only there; ids clamped into the cache)."""
-            if block_size <= block_kv:
-                pages = [kv_tile * copies + j for j in range(copies)]
-            else:
-                pages = [kv_tile // (block_size // block_kv)]
-            return [jnp.clip(tables_ref[table_row, jnp.clip(page, page_lo, page_hi)], 0,
-                             num_blocks - 1) for page in pages]
+            return tile_block_ids(tables_ref, table_row, kv_tile, block_size=block_size,
+                                  block_kv=block_kv, num_blocks=num_blocks, page_lo=page_lo,
+                                  page_hi=page_hi)
 
         def issue(kv_tile, slot, blocks):
-            """TMA the K and V rows of ``kv_tile`` (pages ``blocks``) into stage ``slot``."""
-            if block_size <= block_kv:
-                for j, block in enumerate(blocks):
-                    rows = pl.ds(j * block_size, block_size)
-                    plgpu.copy_gmem_to_smem(k_ref.at[block, :, k_head], k_smem.at[slot, rows],
-                                            k_bars.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[block, :, v_head], v_smem.at[slot, rows],
-                                            v_bars.at[slot])
-            else:
-                rows = pl.ds((kv_tile % (block_size // block_kv)) * block_kv, block_kv)
-                plgpu.copy_gmem_to_smem(k_ref.at[blocks[0], rows, k_head], k_smem.at[slot],
-                                        k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[blocks[0], rows, v_head], v_smem.at[slot],
-                                        v_bars.at[slot])
+            copy_kv_tile(plgpu, k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, kv_tile=kv_tile,
+                         slot=slot, blocks=blocks, k_head=k_head, v_head=v_head,
+                         block_size=block_size, block_kv=block_kv)
 
         @pl.when(wg == num_consumers)
         def _producer():
