@@ -172,11 +172,14 @@ def ragged_candidates(shape, heuristic, ranked, sms) -> list:
 
 def ragged_mosaic_candidates(shape, heuristic, ranked, sms) -> list:
     """64- and 128-token tiles x 2, 3 and 4 stages x two consumers with and without ping-pong,
-    and one: the configs the kernel takes for the shape (the rest are left out); where the
-    shape has one-token sequences, the ping-pong ones again with ``decode_rows``."""
+    and one: the configs the kernel takes for the shape (the rest are left out); the ping-pong
+    ones again on persistent CTAs; where the shape has one-token sequences, the ping-pong ones
+    again with ``decode_rows``."""
     configs = _ragged_mosaic_tiles(shape)
+    ping_pong = [c for c in configs if c.ping_pong]
+    configs += [dataclasses.replace(c, persistent=True) for c in ping_pong]
     if any(q_len == 1 for _, q_len, _ in shape.seqs):
-        configs += [dataclasses.replace(c, decode_rows=True) for c in configs if c.ping_pong]
+        configs += [dataclasses.replace(c, decode_rows=True) for c in ping_pong]
     return [c for c in configs if _takes(shape, c)]
 
 

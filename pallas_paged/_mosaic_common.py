@@ -38,6 +38,30 @@ def ctas_per_sm(smem: int) -> int:
     return max(1, SMEM_PER_SM // (smem + SMEM_RESERVED_PER_CTA))
 
 
+def persistent_programs(items: int, smem: int, sm_count: int) -> int:
+    """The CTAs of a persistent grid (a kernel's ``persistent`` config): as many as the
+    multiprocessors hold at once with ``smem`` bytes of shared memory each (`ctas_per_sm`), at
+    most one per work item."""
+    return max(1, min(items, sm_count * ctas_per_sm(smem)))
+
+
+def dealt_index(program, j, programs: int):
+    """The work item of the ``j``-th round of persistent CTA ``program`` of ``programs``: the
+    items (longest first) are dealt in rounds of one per CTA, in snake order (round 0: CTA 0
+    first; round 1: CTA ``programs - 1`` first; ...), so that the CTA that took the longest item
+    of one round takes the shortest of the next, as a longest-first greedy schedule does."""
+    reverse = jax.lax.rem(j, 2) == 1
+    return j * programs + jnp.where(reverse, programs - 1 - program, program)
+
+
+def dealt_items(program, programs: int, items: int):
+    """How many items `dealt_index` gives CTA ``program``: one per full round, and one of the
+    last, partial round where its position in that round's order falls before its end."""
+    rounds, left = divmod(items, programs)
+    position = program if rounds % 2 == 0 else programs - 1 - program
+    return rounds + (position < left).astype(jnp.int32)
+
+
 def jax_version() -> tuple[int, ...]:
     """``jax.__version__`` as a tuple of ints (``"0.11.2"`` -> ``(0, 11, 2)``)."""
     parts = []

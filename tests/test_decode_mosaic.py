@@ -912,7 +912,7 @@ def test_persistent_ctas_walk_several_work_items(rng, config, cache, monkeypatch
     items = 7 * 2 * config.num_splits
     smem = mosaic_gpu.smem_bytes(64, paged.k_cache.dtype, NP_DTYPES[dtype], config, alibi=True,
                                  group=4, finalize=config.num_splits == 1)
-    programs = mosaic_gpu.persistent_programs(items, smem, sm_count=1)
+    programs = _mosaic_common.persistent_programs(items, smem, sm_count=1)
     assert 1 <= programs < items / 2, (programs, items)  # several items per CTA
     out, lse = mosaic(paged, config, return_lse=True, **scales, **options)
     assert_matches_oracle(paged, dtype, config, **scales, **options)
@@ -936,8 +936,9 @@ def test_persistent_ctas_are_dealt_every_item_once_in_snake_order(programs, item
     items ``j * P ..`` in CTA order on even rounds and reversed on odd ones."""
     seen = []
     for p in range(programs):
-        count = int(mosaic_gpu.dealt_items(jnp.int32(p), programs, items))
-        indices = [int(mosaic_gpu.dealt_index(jnp.int32(p), j, programs)) for j in range(count)]
+        count = int(_mosaic_common.dealt_items(jnp.int32(p), programs, items))
+        indices = [int(_mosaic_common.dealt_index(jnp.int32(p), j, programs))
+                   for j in range(count)]
         for j, index in enumerate(indices):
             assert index // programs == j
             assert index % programs == (p if j % 2 == 0 else programs - 1 - p)
@@ -948,10 +949,10 @@ def test_persistent_ctas_are_dealt_every_item_once_in_snake_order(programs, item
 @on_every_jax
 def test_persistent_programs_fill_the_multiprocessors():
     """As many CTAs as the multiprocessors hold at once, never more than the work items."""
-    assert mosaic_gpu.persistent_programs(1024, 100_000, sm_count=132) == 264  # two per SM
-    assert mosaic_gpu.persistent_programs(1024, 140_000, sm_count=132) == 132
-    assert mosaic_gpu.persistent_programs(100, 60_000, sm_count=132) == 100
-    assert mosaic_gpu.persistent_programs(1, 230_000, sm_count=132) == 1
+    assert _mosaic_common.persistent_programs(1024, 100_000, sm_count=132) == 264  # two per SM
+    assert _mosaic_common.persistent_programs(1024, 140_000, sm_count=132) == 132
+    assert _mosaic_common.persistent_programs(100, 60_000, sm_count=132) == 100
+    assert _mosaic_common.persistent_programs(1, 230_000, sm_count=132) == 1
 
 
 # --- lowered for CUDA (no GPU needed): Mosaic GPU's own lowering and layout inference run ---------

@@ -11,6 +11,8 @@ no ``plgpu.kernel`` of this API: the kernel's tests are skipped there.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -179,7 +181,7 @@ def test_work_list_covers_every_row_once_longest_first(group, consumers):
     programs = mosaic_gpu.num_work_tiles(num_tokens, len(q_lens), tokens)
     work = np.asarray(mosaic_gpu.work_list(starts, jnp.asarray(lens, jnp.int32),
                                            num_tokens=num_tokens, tokens=tokens,
-                                           programs=programs, window=None))
+                                           num_tiles=programs, window=None))
     ends = list(np.asarray(starts[1:])) + [num_tokens]
     covered = np.zeros(num_tokens, int)
     attended = []
@@ -382,6 +384,43 @@ def test_compiled_against_the_triton_kernel(rng, seqs, cache, head_dim):
     assert np.abs(got - want).max() <= bound, (np.abs(got - want).max(), bound)
 
 
+PERSISTENT = M(block_kv=64, num_stages=2, num_consumers=2, ping_pong=True, persistent=True)
+
+
+@needs_kernel_api
+@pytest.mark.parametrize("config,cache", [
+    (PERSISTENT, "bfloat16"),
+    pytest.param(M(block_kv=64, num_stages=3, num_consumers=1, ping_pong=False,
+                   persistent=True), "bfloat16", marks=SLOW),
+    pytest.param(dataclasses.replace(PERSISTENT, decode_rows=True), "float8_e4m3fn",
+                 marks=SLOW),
+])
+def test_persistent_ctas_walk_several_items(rng, monkeypatch, config, cache):
+    """`MosaicAttentionConfig.persistent` on a one-multiprocessor device: a few CTAs walk every
+    work item (the ring, the query staging and the ping-pong turns carried from one item to the
+    next), against the truth with every option, and the same bits as one CTA per item."""
+    monkeypatch.setattr(mosaic_gpu, "sm_count", lambda: 1)
+    problem = make_ragged(rng, MIX, pad=3, num_heads=4, num_kv_heads=2, head_dim=64,
+                          block_size=16, dtype=cache, q_dtype="bfloat16")
+    scales = dict(k_scale=0.25, v_scale=0.75) if cache == "float8_e4m3fn" else {}
+    every = every_option(rng, 4)
+    smem = mosaic_gpu.smem_bytes(64, jnp.bfloat16, config, cache)
+    tokens = mosaic_gpu.tokens_per_cta(2, config.num_consumers)
+    items = (mosaic_gpu.num_work_tiles(problem.q.shape[0], len(MIX), tokens) * 2
+             * 2 // mosaic_gpu.heads_per_cta(2, config.num_consumers))
+    assert _mosaic_common.persistent_programs(items, smem, sm_count=1) < items / 2
+    out, lse = check(problem, config, **scales, **every)
+    per_item = dataclasses.replace(config, persistent=False)
+    want, want_lse = attend(problem, per_item, **scales, **every)
+    if jax.default_backend() == "gpu":  # compiled apart, an fp32 value may round apart
+        np.testing.assert_allclose(out.astype(np.float32), to_numpy(want).astype(np.float32),
+                                   rtol=2 ** -7, atol=2 ** -7)
+        np.testing.assert_allclose(lse, to_numpy(want_lse), rtol=1e-6, atol=1e-6)
+    else:  # the same operations, simulated
+        np.testing.assert_array_equal(bits(out), bits(want))
+        np.testing.assert_array_equal(bits(lse), bits(want_lse))
+
+
 # --- lowered for CUDA (no GPU needed) -------------------------------------------------------------
 
 @needs_kernel_api
@@ -394,6 +433,7 @@ def test_compiled_against_the_triton_kernel(rng, seqs, cache, head_dim):
     pytest.param(128, M(block_kv=128, num_stages=2, num_consumers=1, ping_pong=False), False,
                  marks=SLOW),
     (128, M(block_kv=64, num_stages=2, num_consumers=2, ping_pong=True), "fp8"),
+    (128, M(persistent=True), True),
 ])
 def test_lowers_for_cuda_with_the_shared_memory_its_model_says(monkeypatch, head_dim, config,
                                                                options):

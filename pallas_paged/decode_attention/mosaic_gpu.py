@@ -98,8 +98,9 @@ from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, PRODUCER_REGISTERS, all
                                          check_device, check_head_dim, check_jax,
                                          check_pages_fit_tiles, check_query_dtype,
                                          consumer_registers, copies_per_tile, copy_kv_tile,
-                                         ctas_per_sm, import_plgpu, mma_smem, mma_swizzle,
-                                         tile_block_ids, with_optional_operands)
+                                         ctas_per_sm, dealt_index, dealt_items, import_plgpu, mma_smem,
+                                         mma_swizzle, persistent_programs, tile_block_ids,
+                                         with_optional_operands)
 from pallas_paged._platform import sm_count
 from pallas_paged._triton_common import FP16_SAFE_MAX, dot_dtype
 from pallas_paged.decode_attention.mosaic_gpu_config import MosaicDecodeConfig
@@ -542,13 +543,6 @@ class WorkItem(NamedTuple):
     box: QueryBox
 
 
-def persistent_programs(items: int, smem: int, sm_count: int) -> int:
-    """The CTAs of a persistent grid (`MosaicDecodeConfig.persistent`): as many as the
-    multiprocessors hold at once with ``smem`` bytes of shared memory each (`ctas_per_sm`), at
-    most one per work item."""
-    return max(1, min(items, sm_count * ctas_per_sm(smem)))
-
-
 def sort_by_length(lens):
     """``(order, sorted_lens)``, i32[batch] each: the sequences by length, shortest first (ties
     in index order), and their lengths, from one XLA sort, for persistent CTAs to deal the
@@ -556,24 +550,6 @@ def sort_by_length(lens):
     sorted_lens, order = jax.lax.sort(
         (lens, jax.lax.broadcasted_iota(jnp.int32, lens.shape, 0)), num_keys=1)
     return order, sorted_lens
-
-
-def dealt_index(program, j, programs: int):
-    """The work item of the ``j``-th round of persistent CTA ``program`` of ``programs``: the
-    items (longest sequences first, `MosaicDecodeConfig.persistent`) are dealt in rounds of one
-    per CTA, in snake order (round 0: CTA 0 first; round 1: CTA ``programs - 1`` first; ...), so
-    that the CTA that took the longest item of one round takes the shortest of the next, as a
-    longest-first greedy schedule does."""
-    reverse = jax.lax.rem(j, 2) == 1
-    return j * programs + jnp.where(reverse, programs - 1 - program, program)
-
-
-def dealt_items(program, programs: int, items: int):
-    """How many items `dealt_index` gives CTA ``program``: one per full round, and one of the
-    last, partial round where its position in that round's order falls before its end."""
-    rounds, left = divmod(items, programs)
-    position = program if rounds % 2 == 0 else programs - 1 - program
-    return rounds + (position < left).astype(jnp.int32)
 
 
 def query_slots(persistent: bool) -> int:

@@ -10,8 +10,12 @@ later (``plgpu.kernel``). Read top to bottom (the public function is
    the tiles of a pseudo-sequence ``batch`` (no keys: its rows are written as zeros), sorted by
    the number of K/V positions they attend, longest first, so the GPU's block scheduler starts
    the long tiles first and a ragged batch leaves no long tail.
-2. `_ragged_attention_kernel` works on refs only. One CTA owns one (query tile, kv head, head
-   block) and has ``num_consumers`` consumer warpgroups (1 or 2) and a producer warpgroup.
+2. `_ragged_attention_kernel` works on refs only. A work item is one (query tile, kv head, head
+   block); one CTA owns one item, or with ``MosaicAttentionConfig.persistent`` the CTAs that
+   stay resident walk several each (dealt longest first in snake order, `dealt_index`; the
+   ring, the query staging and the ping-pong turns carry on from one item to the next, so the
+   next item's tiles stream in while the current one's output goes out). A CTA has
+   ``num_consumers`` consumer warpgroups (1 or 2) and a producer warpgroup.
    - A consumer's 64 wgmma rows are 64 tokens of one query head. With two consumers they take
      two heads of the kv head's group (`heads_per_cta`; groups of even size) over the same 64
      tokens, else two consecutive 64-token halves of one head: either way they attend the same
@@ -37,8 +41,8 @@ later (``plgpu.kernel``). Read top to bottom (the public function is
      count, so no row of another sequence is touched), and its lse (64 values) to a per-CTA
      row that XLA gathers per token after the kernel (`gather_lse`).
 3. `paged_attention_mosaic` builds the work list and operands, calls the kernel over
-   ``work tiles x num_kv_heads x head blocks`` CTAs (in that order of significance: a tile's CTAs
-   for every head run side by side), and gathers the lse.
+   ``work tiles x num_kv_heads x head blocks`` items (in that order of significance: a tile's
+   items for every head run side by side), and gathers the lse.
 
 Safety, by construction (values cannot raise under jit):
 
@@ -67,6 +71,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +87,8 @@ from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, PRODUCER_REGISTERS, all
                                          check_device, check_head_dim, check_jax,
                                          check_pages_fit_tiles, check_query_dtype,
                                          consumer_registers, copies_per_tile, copy_kv_tile,
-                                         import_plgpu, mma_smem, tile_block_ids,
+                                         dealt_index, dealt_items, import_plgpu, mma_smem,
+                                         persistent_programs, tile_block_ids,
                                          with_optional_operands)
 from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfig
 from pallas_paged.ragged_attention.tiles import kv_tile_plan
@@ -98,6 +104,26 @@ MOSAIC_OWN_SMEM_BYTES = 2048
 V_FIX_ROWS = 64  # rows of a V tile the consumer checks for non-finite values at once
 # Exact math (exp2, division), as the parity bounds were met with.
 COMPILER_PARAMS = {"approx_math": False}
+
+
+class _WorkItem(NamedTuple):
+    """One work item of the kernel (`_ragged_attention_kernel`): a query tile for one kv head
+    and head block, and the K/V tiles it walks (int32 scalars)."""
+    w: Any           # the item's index (its lse rows)
+    h: Any           # kv head
+    hb: Any          # head block (`heads_per_cta` query heads of the kv head's group)
+    tile: Any        # the query tile within its sequence
+    q_start: Any     # the sequence's first query row
+    queries: Any     # the tile's query rows (0 .. `tokens_per_cta`)
+    first_pos: Any   # the position of the tile's first query
+    shared_lo: Any   # positions [shared_lo, shared_hi) every query of the tile sees
+    shared_hi: Any
+    loops: tuple     # the masked, unmasked and masked K/V tile ranges (`kv_tile_plan`)
+    tile_lo: Any     # the first K/V tile
+    steps: Any       # the K/V tiles walked
+    page_lo: Any     # the pages the tiles may read: [page_lo, page_hi]
+    page_hi: Any
+    table_row: Any   # the sequence's row of the block table
 
 
 def staging_columns(head_dim: int) -> int:
@@ -136,9 +162,9 @@ def query_tiles(starts, *, num_tokens: int, tokens: int, skip=None):
     return q_len, tiles
 
 
-def work_list(starts, lens, *, num_tokens: int, tokens: int, programs: int, window: int | None,
+def work_list(starts, lens, *, num_tokens: int, tokens: int, num_tiles: int, window: int | None,
               skip=None):
-    """The query tiles, longest first: ``i32[2, programs]`` (sequence, tile), in XLA.
+    """The query tiles, longest first: ``i32[2, num_tiles]`` (sequence, tile), in XLA.
 
     Sequence ``b`` (``b == batch``: the padding rows ``[starts[batch], num_tokens)``, with no
     keys) has ``ceil(q_len_b / tokens)`` tiles, none where ``skip[b]`` (`query_tiles`). They are
@@ -154,7 +180,7 @@ def work_list(starts, lens, *, num_tokens: int, tokens: int, programs: int, wind
     q_len, tiles = query_tiles(starts, num_tokens=num_tokens, tokens=tokens, skip=skip)
     n = jnp.concatenate([lens, jnp.zeros((1,), jnp.int32)])   # the pseudo-sequence has no keys
     tile_end = jnp.cumsum(tiles)
-    index = jnp.arange(programs, dtype=jnp.int32)
+    index = jnp.arange(num_tiles, dtype=jnp.int32)
     b = jnp.searchsorted(tile_end, index, side="right").astype(jnp.int32)  # batch + 1: none
     b_safe = jnp.minimum(b, batch)
     tile = index - (tile_end - tiles)[b_safe]
@@ -181,7 +207,8 @@ def smem_bytes(head_dim: int, dtype, config: MosaicAttentionConfig, cache_dtype=
     total += allocated(consumers * MMA_ROWS * 4)                                # lse
     if cache_itemsize != itemsize:
         total += allocated(*[ring * itemsize] * 2)                  # K, V converted to dtype
-    barriers = consumers + 3 * config.num_stages           # q; K, V, free
+    barriers = consumers * (1 + config.persistent)         # q (persistent: and q free)
+    barriers += 3 * config.num_stages                      # K, V, free
     barriers += config.num_stages * (consumers > 1)        # V checked
     barriers += config.ping_pong and consumers > 1         # the schedule
     return total + 8 * barriers + MOSAIC_OWN_SMEM_BYTES
@@ -239,7 +266,7 @@ def _ragged_attention_kernel(
     k_scale_ref,  # f32[1] or None (fp8 caches)
     v_scale_ref,  # f32[1] or None (fp8 caches)
     out_ref,      # [num_tokens, num_heads, head_dim] in q.dtype
-    lse_ref,      # f32[CTAs, C, 64]: each consumer's lse row (`gather_lse`)
+    lse_ref,      # f32[items, C, 64]: each work item's consumers' lse rows (`gather_lse`)
     *,
     plgpu,
     scale: float,
@@ -252,6 +279,7 @@ def _ragged_attention_kernel(
     soft_cap: float | None,
     window: int | None,
     fused: bool,
+    programs: int | None,
 ):
     num_blocks, block_size, _, head_dim = k_ref.shape
     kvh = num_kv_heads(k_ref.shape, fused)
@@ -266,86 +294,130 @@ def _ragged_attention_kernel(
     converts = k_ref.dtype != dtype  # fp8 caches
     column_parts = [pl.ds(lo, width) for lo in range(0, head_dim, width)]
 
-    # --- the CTA's work: (sequence b, tile) of rank `rank`, kv head h, head block hb ----------
-    cta = jax.lax.axis_index("cta")
-    rank, rest = cta // (kvh * head_blocks), cta % (kvh * head_blocks)
-    h, hb = rest // head_blocks, rest % head_blocks
-    b, tile = work_ref[0, rank], work_ref[1, rank]
-    real = b < batch  # b == batch: the padding rows; b > batch: no work
-    q_start = jnp.where(b <= batch, qsl_ref[jnp.minimum(b, batch)], 0)
-    q_end = jnp.where(real, qsl_ref[jnp.minimum(b + 1, batch)],
-                      jnp.where(b == batch, num_tokens, q_start))
-    n = jnp.where(real, lens_ref[jnp.minimum(b, batch - 1)], 0)
-    q_len = q_end - q_start
-    cta_queries = jnp.clip(q_len - tile * tokens, 0, tokens)
-    first_pos = n - q_len + tile * tokens  # the position of the CTA's first query
-    key_lo, key_hi, shared_lo, shared_hi, loops = kv_tile_plan(
-        first_pos, cta_queries, n, 0, block_k=block_kv, num_splits=1, window=window)
-    tile_lo, tile_hi = loops[0][0], loops[2][1]
-    steps = tile_hi - tile_lo
-    page_lo, page_hi = key_lo // block_size, jnp.maximum(key_hi - 1, 0) // block_size
-    k_head, v_head = kv_head_rows(h, fused)
-    table_row = jnp.minimum(b, batch - 1)
+    # --- work items: item w is the work list's tile of rank w // (kvh * head_blocks) (sequence
+    # b, tile), for kv head h and head block hb. Without `programs`, CTA w takes item w;
+    # persistent, CTA p takes the items `dealt_index` deals it, longest first.
+    items = lse_ref.shape[0]
 
-    def consumer_rows(c):
-        """Consumer ``c``'s query head, first token row ``t0``, valid rows, the row its tile
-        is read from (``t0_load``, at most ``T - 64``) and the position of its row 0."""
+    def item_at(w) -> _WorkItem:
+        rank, rest = w // (kvh * head_blocks), w % (kvh * head_blocks)
+        h, hb = rest // head_blocks, rest % head_blocks
+        b, tile = work_ref[0, rank], work_ref[1, rank]
+        real = b < batch  # b == batch: the padding rows; b > batch: no work
+        q_start = jnp.where(b <= batch, qsl_ref[jnp.minimum(b, batch)], 0)
+        q_end = jnp.where(real, qsl_ref[jnp.minimum(b + 1, batch)],
+                          jnp.where(b == batch, num_tokens, q_start))
+        n = jnp.where(real, lens_ref[jnp.minimum(b, batch - 1)], 0)
+        q_len = q_end - q_start
+        queries = jnp.clip(q_len - tile * tokens, 0, tokens)
+        first_pos = n - q_len + tile * tokens  # the position of the item's first query
+        key_lo, key_hi, shared_lo, shared_hi, loops = kv_tile_plan(
+            first_pos, queries, n, 0, block_k=block_kv, num_splits=1, window=window)
+        return _WorkItem(
+            w=w, h=h, hb=hb, tile=tile, q_start=q_start, queries=queries, first_pos=first_pos,
+            shared_lo=shared_lo, shared_hi=shared_hi, loops=loops, tile_lo=loops[0][0],
+            steps=loops[2][1] - loops[0][0], page_lo=key_lo // block_size,
+            page_hi=jnp.maximum(key_hi - 1, 0) // block_size, table_row=jnp.minimum(b, batch - 1))
+
+    cta = jax.lax.axis_index("cta")
+    if programs is None:
+        my_items = 1
+    else:
+        my_items = dealt_items(cta, programs, items)
+
+    def for_each_item(item_body, carry):
+        """``item_body(j, item, carry)`` over the CTA's items ``j`` (one, unlooped, without
+        ``programs``)."""
+        if programs is None:
+            return item_body(0, item_at(cta), carry)
+        return jax.lax.fori_loop(
+            0, my_items, lambda j, carry: item_body(j, item_at(dealt_index(cta, j, programs)),
+                                                     carry), carry)
+
+    def consumer_rows(it, c):
+        """Consumer ``c``'s query head in item ``it``, its first token row ``t0``, valid rows,
+        the row its tile is read from (``t0_load``, at most ``T - 64``) and the position of its
+        row 0."""
         sub = c // heads
-        head = h * group + hb * heads + c % heads
-        t0 = q_start + tile * tokens + sub * MMA_ROWS
-        queries = jnp.clip(cta_queries - sub * MMA_ROWS, 0, MMA_ROWS)
+        head = it.h * group + it.hb * heads + c % heads
+        t0 = it.q_start + it.tile * tokens + sub * MMA_ROWS
+        queries = jnp.clip(it.queries - sub * MMA_ROWS, 0, MMA_ROWS)
         t0_load = jnp.clip(t0, 0, padded_tokens - MMA_ROWS)
-        row0_pos = first_pos + sub * MMA_ROWS - (t0 - t0_load)
+        row0_pos = it.first_pos + sub * MMA_ROWS - (t0 - t0_load)
         return head, t0, queries, t0_load, row0_pos
 
-    def body(q_smem, k_smem, v_smem, o_smem, lse_smem, kc_smem, vc_smem, q_bars, k_bars, v_bars,
-             free_bars, v_ready_bars, schedule_bar):
+    def body(q_smem, k_smem, v_smem, o_smem, lse_smem, kc_smem, vc_smem, q_bars, q_free_bars,
+             k_bars, v_bars, free_bars, v_ready_bars, schedule_bar):
         # q_smem [C, 64, D]; k_smem, v_smem [stages, block_kv, D] in the cache's dtype (TMA
         # destinations; 16-bit: the wgmma operands); o_smem [C, D // W, 64, W] in q.dtype,
         # W = `staging_columns` (untiled: any row range copies out); lse_smem f32[C, 64];
         # kc_smem, vc_smem [stages, block_kv, D] in q.dtype, fp8 caches' tiles converted by the
         # first consumer (the wgmma operands), else None.
-        # Barriers: q_bars[C] (a consumer's query tile copied); k_bars, v_bars[stages] (a stage's
-        # copies done); free_bars[stages] (every consumer is done with a stage); v_ready_bars
+        # Barriers: q_bars[C] (a consumer's query tile copied); q_free_bars[C] (persistent: the
+        # consumer's staging may take the next item's query tile, else None); k_bars,
+        # v_bars[stages] (a stage's copies done); free_bars[stages] (every consumer is done with a stage); v_ready_bars
         # [stages] (two consumers: the first has checked a stage's V, fp8: converted its K and
         # V, and the second may read them), else None; schedule_bar (ping_pong) the two
         # consumers' turns on the tensor cores.
         wg = jax.lax.axis_index("wg")
 
-        def block_ids(kv_tile):
-            return tile_block_ids(tables_ref, table_row, kv_tile, block_size=block_size,
-                                  block_kv=block_kv, num_blocks=num_blocks, page_lo=page_lo,
-                                  page_hi=page_hi)
+        def block_ids(it, kv_tile):
+            return tile_block_ids(tables_ref, it.table_row, kv_tile, block_size=block_size,
+                                  block_kv=block_kv, num_blocks=num_blocks, page_lo=it.page_lo,
+                                  page_hi=it.page_hi)
 
-        def issue(kv_tile, slot, blocks):
+        def issue(it, kv_tile, slot, blocks):
+            k_head, v_head = kv_head_rows(it.h, fused)
             copy_kv_tile(plgpu, k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, kv_tile=kv_tile,
                          slot=slot, blocks=blocks, k_head=k_head, v_head=v_head,
                          block_size=block_size, block_kv=block_kv)
+
+        def copy_queries(it, c):
+            """TMA consumer ``c``'s query tile of item ``it`` into its output staging (see
+            `consumer`)."""
+            head, _, _, t0_load, _ = consumer_rows(it, c)
+            for part, cols in enumerate(column_parts):
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0_load, MMA_ROWS), head, cols],
+                                        o_smem.at[c, part], q_bars.at[c])
 
         @pl.when(wg == num_consumers)
         def _producer():
             if num_consumers > 1:
                 plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-            for c in range(num_consumers):  # into the output's staging (see `consumer`)
-                head, _, _, t0_load, _ = consumer_rows(c)
-                for part, cols in enumerate(column_parts):
-                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0_load, MMA_ROWS), head, cols],
-                                            o_smem.at[c, part], q_bars.at[c])
+            first = item_at(cta if programs is None else dealt_index(cta, 0, programs))
+            for c in range(num_consumers):
+                copy_queries(first, c)
 
-            @pl.loop(0, steps)
-            def _produce(step):
-                slot = jax.lax.rem(step, num_stages)
-                blocks = block_ids(tile_lo + step)  # loaded before the wait: latency hidden
+            def produce(j, it, done):
+                """Item ``it``'s K/V tiles into the ring (``done`` tiles went in before it);
+                persistent, then the next item's query tiles, each once its consumer's staging
+                is free."""
+                @pl.loop(0, it.steps)
+                def _produce(step):
+                    slot = jax.lax.rem(done + step, num_stages)
+                    blocks = block_ids(it, it.tile_lo + step)  # loaded before the wait
 
-                @pl.when(step >= num_stages)
-                def _wait_free():
-                    plgpu.barrier_wait(free_bars.at[slot])
+                    @pl.when(done + step >= num_stages)
+                    def _wait_free():
+                        plgpu.barrier_wait(free_bars.at[slot])
 
-                issue(tile_lo + step, slot, blocks)
+                    issue(it, it.tile_lo + step, slot, blocks)
+
+                if programs is not None:
+                    @pl.when(j + 1 < my_items)
+                    def _next_queries():
+                        following = item_at(dealt_index(cta, j + 1, programs))
+                        for c in range(num_consumers):
+                            plgpu.barrier_wait(q_free_bars.at[c])
+                            copy_queries(following, c)
+
+                return done + it.steps
+
+            total = for_each_item(produce, jnp.int32(0))
 
             # every consumer frees every stage it reads: the frees no refill waited for (the
-            # last `num_stages` steps) are waited for here, so no barrier phase is unobserved
-            @pl.loop(jnp.maximum(steps - num_stages, 0), steps)
+            # last `num_stages` tiles) are waited for here, so no barrier phase is unobserved
+            @pl.loop(jnp.maximum(total - num_stages, 0), total)
             def _drain(step):
                 plgpu.barrier_wait(free_bars.at[jax.lax.rem(step, num_stages)])
 
@@ -353,7 +425,7 @@ def _ragged_attention_kernel(
             plgpu.barrier_arrive(schedule_bar)
             plgpu.barrier_wait(schedule_bar)
 
-        def fix_values(v_tile, kv_tile):
+        def fix_values(it, v_tile, kv_tile):
             """Non-finite entries of the V tile ``v_tile`` [block_kv, D] at positions not every
             row of the CTA sees, zeroed (a masked tile): a row whose weight for them is 0 would
             get ``0 * NaN``."""
@@ -363,11 +435,11 @@ def _ragged_attention_kernel(
                 v = plgpu.load(rows, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
                 pos = kv_tile * block_kv + r + plgpu.broadcasted_iota(
                     jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-                keep = ((pos >= shared_lo) & (pos < shared_hi)) | (jnp.abs(v) < jnp.inf)
+                keep = ((pos >= it.shared_lo) & (pos < it.shared_hi)) | (jnp.abs(v) < jnp.inf)
                 rows[...] = jnp.where(keep, v, 0.0).astype(v_tile.dtype)
             plgpu.commit_smem()
 
-        def convert_tiles(slot, kv_tile, masked):
+        def convert_tiles(it, slot, kv_tile, masked):
             """fp8 caches: stage ``slot``'s K and V tiles in q.dtype (exact), V fixed where
             ``masked`` (`fix_values`)."""
             plgpu.barrier_wait(k_bars.at[slot])
@@ -376,23 +448,49 @@ def _ragged_attention_kernel(
             vc_smem[slot] = v_smem[slot].astype(jnp.float16).astype(dtype)
             plgpu.commit_smem()
             if masked:
-                fix_values(vc_smem.at[slot], kv_tile)
+                fix_values(it, vc_smem.at[slot], kv_tile)
+
+        def stage_queries(c):
+            """Consumer ``c``'s query tile, once copied, from the output's untiled staging into
+            the wgmma operand, through registers (a TMA copy into the tiled, swizzled operand
+            needs a start row that is a multiple of 8; a sequence's first token can be any
+            row)."""
+            plgpu.barrier_wait(q_bars.at[c])
+            for part, cols in enumerate(column_parts):
+                q_smem[c, :, cols] = plgpu.load(o_smem.at[c, part], layout=plgpu.Layout.WGMMA)
+            plgpu.commit_smem()
 
         def consumer(c):
-            head, t0, queries, _, row0_pos = consumer_rows(c)
             q_tile = q_smem.at[c]
             score_shape = (MMA_ROWS, block_kv)
             row_layout = plgpu.Layout.WGMMA.reduce(1)
             folds = soft_cap is None and alibi_ref is None  # log2(e) folded into the scale
             score_scale = scale if k_scale_ref is None else scale * k_scale_ref[0]
-            if alibi_ref is not None:
-                slope = alibi_ref[head]
 
-            def step_body(kv_tile, carry, *, masked: bool):
+            def attend(j, it, done):
+                """Item ``it`` (the CTA's ``j``-th; ``done`` ring tiles read before it): its
+                query tile is in ``q_smem[c]``; its output and lse go out; persistent, the next
+                item's query tile moves in before the output is staged."""
+                head, t0, queries, _, row0_pos = consumer_rows(it, c)
+                slope = None if alibi_ref is None else alibi_ref[head]
+                walk = functools.partial(step_body, it=it, done=done, row0_pos=row0_pos,
+                                         slope=slope)
+                carry = (plgpu.layout_cast(jnp.zeros((MMA_ROWS, head_dim), jnp.float32),
+                                           plgpu.Layout.WGMMA),
+                         plgpu.layout_cast(jnp.full((MMA_ROWS,), -jnp.inf, jnp.float32),
+                                           row_layout),
+                         plgpu.layout_cast(jnp.zeros((MMA_ROWS,), jnp.float32), row_layout))
+                for (lo, hi), masked in zip(it.loops, (True, False, True)):
+                    carry = jax.lax.fori_loop(lo, hi, functools.partial(walk, masked=masked),
+                                              carry)
+                finish(j, it, c, head, t0, queries, row0_pos, carry)
+                return done + it.steps
+
+            def step_body(kv_tile, carry, *, masked: bool, it, done, row0_pos, slope):
                 acc, m_prev, l_prev = carry  # f32[64, D], f32[64] (base 2), f32[64]
-                slot = jax.lax.rem(kv_tile - tile_lo, num_stages)
+                slot = jax.lax.rem(done + kv_tile - it.tile_lo, num_stages)
                 if converts and c == 0:
-                    convert_tiles(slot, kv_tile, masked)
+                    convert_tiles(it, slot, kv_tile, masked)
                     if v_ready_bars is not None:
                         plgpu.barrier_arrive(v_ready_bars.at[slot])
                 elif converts:
@@ -444,7 +542,7 @@ def _ragged_attention_kernel(
                 elif c == 0:
                     plgpu.barrier_wait(v_bars.at[slot])
                     if masked:
-                        fix_values(v_tile, kv_tile)
+                        fix_values(it, v_tile, kv_tile)
                     if v_ready_bars is not None:
                         plgpu.barrier_arrive(v_ready_bars.at[slot])
                 else:
@@ -459,25 +557,24 @@ def _ragged_attention_kernel(
                 plgpu.barrier_arrive(free_bars.at[slot])
                 return acc, m_next, l_next
 
-            # The query tile lands in the output's untiled staging (a TMA copy into the tiled,
-            # swizzled wgmma operand needs a start row that is a multiple of 8; a sequence's
-            # first token can be any row), and moves to the operand through registers.
-            plgpu.barrier_wait(q_bars.at[c])
-            for part, cols in enumerate(column_parts):
-                q_smem[c, :, cols] = plgpu.load(o_smem.at[c, part], layout=plgpu.Layout.WGMMA)
-            plgpu.commit_smem()
+            stage_queries(c)
+            if programs is not None:
+                @pl.when(my_items > 1)
+                def _staging_free():
+                    plgpu.barrier_arrive(q_free_bars.at[c])
+
             if ping_pong and c == 1:
                 schedule_turn()  # the second consumer starts one turn behind the first
-            carry = (plgpu.layout_cast(jnp.zeros((MMA_ROWS, head_dim), jnp.float32),
-                                       plgpu.Layout.WGMMA),
-                     plgpu.layout_cast(jnp.full((MMA_ROWS,), -jnp.inf, jnp.float32), row_layout),
-                     plgpu.layout_cast(jnp.zeros((MMA_ROWS,), jnp.float32), row_layout))
-            for (lo, hi), masked in zip(loops, (True, False, True)):
-                carry = jax.lax.fori_loop(lo, hi, functools.partial(step_body, masked=masked),
-                                          carry)
+            for_each_item(attend, jnp.int32(0))
             if ping_pong and c == 0:
                 schedule_turn()  # the second consumer's last turn
+
+        def finish(j, it, c, head, t0, queries, row0_pos, carry):
+            """Consumer ``c``'s rows of item ``it`` normalized (with the sink) and written, with
+            their lse; persistent, the next item's query tile moved to the operand first, and
+            the staging handed back for the one after."""
             acc, m, l = carry
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
             if v_scale_ref is not None:  # P V is linear in V: dequantize the sum
                 acc = acc * v_scale_ref[0]
             if sinks_ref is not None:  # one more logit per row, with no value row
@@ -493,18 +590,27 @@ def _ragged_attention_kernel(
             l_safe = jnp.where(ok, l, 1.0)
             out = jnp.where(jax.lax.broadcast_in_dim(ok, acc.shape, [0]),
                             acc / jax.lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
+            if programs is not None:
+                @pl.when(j + 1 < my_items)
+                def _next_queries():
+                    stage_queries(c)
+
             for part, cols in enumerate(column_parts):
                 o_smem[c, part] = out[:, cols.start:cols.start + cols.size].astype(dtype)
             lse_smem[c] = jnp.where(has_keys, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
             plgpu.commit_smem()
-            write_rows(c, head, t0, queries)
-            plgpu.copy_smem_to_gmem(lse_smem.at[c], lse_ref.at[cta, c])
+            write_rows(it, c, head, t0, queries)
+            plgpu.copy_smem_to_gmem(lse_smem.at[c], lse_ref.at[it.w, c])
             plgpu.wait_smem_to_gmem(0)
+            if programs is not None:
+                @pl.when(j + 2 < my_items)
+                def _staging_free():
+                    plgpu.barrier_arrive(q_free_bars.at[c])
 
-        def write_rows(c, head, t0, queries):
+        def write_rows(it, c, head, t0, queries):
             """Rows ``[delta, delta + queries)`` of consumer ``c``'s staged output to tokens
             ``t0 ..`` of head ``head``, ``delta = t0 - t0_load``, in boxes of 64, 32, ..., 1."""
-            _, _, _, t0_load, _ = consumer_rows(c)
+            _, _, _, t0_load, _ = consumer_rows(it, c)
             delta = t0 - t0_load
             done = jnp.int32(0)
             size = MMA_ROWS
@@ -537,6 +643,7 @@ def _ragged_attention_kernel(
         plgpu.SMEM((c_count, MMA_ROWS), jnp.float32),
         *[mma_smem(plgpu, (num_stages, block_kv, head_dim), dtype) if converts else None] * 2,
         plgpu.Barrier(num_arrivals=head_dim // width, num_barriers=c_count),
+        plgpu.Barrier(num_barriers=c_count) if programs is not None else None,
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=c_count, num_barriers=num_stages),
@@ -563,11 +670,11 @@ def gather_lse(lse_tiles, work, starts, *, num_tokens: int, num_heads: int, grou
     batch = starts.shape[0] - 1
     _, tiles = query_tiles(starts, num_tokens=num_tokens, tokens=tokens, skip=skip)
     tile_start = jnp.cumsum(tiles) - tiles                    # i32[batch + 1]
-    programs = work.shape[1]
+    num_tiles = work.shape[1]
     index = tile_start[jnp.minimum(work[0], batch)] + work[1]  # the tile of each rank
-    rank_of = jnp.zeros((programs,), jnp.int32).at[
-        jnp.where(work[0] <= batch, index, programs)].set(
-            jnp.arange(programs, dtype=jnp.int32), mode="drop")
+    rank_of = jnp.zeros((num_tiles,), jnp.int32).at[
+        jnp.where(work[0] <= batch, index, num_tiles)].set(
+            jnp.arange(num_tiles, dtype=jnp.int32), mode="drop")
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     b = (jnp.searchsorted(starts, t, side="right") - 1).astype(jnp.int32)
     b = jnp.clip(b, 0, batch)  # rows past starts[batch] belong to the padding pseudo-sequence
@@ -608,7 +715,7 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, context_lens, quer
     consumers = config.num_consumers
     tokens = tokens_per_cta(group, consumers)
     head_blocks = group // heads_per_cta(group, consumers)
-    programs = num_work_tiles(num_tokens, batch, tokens)
+    work_tiles = num_work_tiles(num_tokens, batch, tokens)
     starts = query_start_loc.astype(jnp.int32)
     lens = context_lens.astype(jnp.int32)
     options = dict(scale=scale, interpret=interpret, logits_soft_cap=logits_soft_cap,
@@ -620,16 +727,21 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, context_lens, quer
         rows = jnp.clip(starts[:-1], 0, num_tokens - 1)
         out_rows, lse_rows = _decode_rows(q[rows], k_cache, v_cache, block_tables,
                                           jnp.where(decodes, lens, 0), **options)
-    work = work_list(starts, lens, num_tokens=num_tokens, tokens=tokens, programs=programs,
+    work = work_list(starts, lens, num_tokens=num_tokens, tokens=tokens, num_tiles=work_tiles,
                      window=sliding_window, skip=decodes)
     q_in = q if num_tokens >= MMA_ROWS else jnp.pad(
         q, ((0, MMA_ROWS - num_tokens), (0, 0), (0, 0)))
-    ctas = programs * kvh * head_blocks
+    items = work_tiles * kvh * head_blocks
+    programs = None  # one CTA per work item
+    if config.persistent:  # as many CTAs as stay resident, each walking its items
+        smem = smem_bytes(head_dim, q.dtype, config, k_cache.dtype)
+        programs = persistent_programs(items, smem, sm_count())
     ping_pong = config.ping_pong and consumers == 2
     body = functools.partial(
         _ragged_attention_kernel, plgpu=plgpu, scale=scale, group=group, num_tokens=num_tokens,
         block_kv=config.block_kv, num_stages=config.num_stages, num_consumers=consumers,
-        ping_pong=ping_pong, soft_cap=logits_soft_cap, window=sliding_window, fused=fused)
+        ping_pong=ping_pong, soft_cap=logits_soft_cap, window=sliding_window, fused=fused,
+        programs=programs)
     k_scale_operand, v_scale_operand = kernel_scale_operands(k_scale, v_scale)
     kernel_body, optional = with_optional_operands(body, 7, {
         "alibi": None if alibi_slopes is None else alibi_slopes.astype(jnp.float32),
@@ -640,12 +752,12 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, context_lens, quer
     name = (f"{KERNEL_NAME}_bkv{config.block_kv}_st{config.num_stages}_c{consumers}"
             f"_g{group}_d{head_dim}_bs{k_cache.shape[1]}" + ("_pp" if ping_pong else "")
             + ("_fp8" if jnp.dtype(k_cache.dtype) == FP8 else "")
-            + ("_fused" if fused else ""))
+            + (f"_persistent{programs}" if programs else "") + ("_fused" if fused else ""))
     out, lse_tiles = plgpu.kernel(
         kernel_body,
         out_type=(jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), q.dtype),
-                  jax.ShapeDtypeStruct((ctas, consumers, MMA_ROWS), jnp.float32)),
-        grid=(ctas,),
+                  jax.ShapeDtypeStruct((items, consumers, MMA_ROWS), jnp.float32)),
+        grid=(programs or items,),
         grid_names=("cta",),
         num_threads=consumers + 1,
         thread_name="wg",

@@ -29,6 +29,9 @@ class MosaicAttentionConfig:
         the same call (its config looked up as `pallas_paged.decode` would for the batch),
         which puts the GQA group, not 64 tokens of one head, in the wgmmas; the ragged
         kernel's work list leaves them out.
+      persistent: as many CTAs as stay resident on the device's multiprocessors, each walking
+        several work items (the longest first, dealt in snake order), the next item's K/V
+        tiles streaming in while the current one's output goes out; else one CTA per item.
     """
 
     block_kv: int = 128
@@ -36,13 +39,14 @@ class MosaicAttentionConfig:
     num_consumers: int = 2
     ping_pong: bool = True
     decode_rows: bool = False
+    persistent: bool = False
 
     def __post_init__(self):
         for name in ("block_kv", "num_stages", "num_consumers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MosaicAttentionConfig.{name}={value!r} must be a positive int")
-        for name in ("ping_pong", "decode_rows"):
+        for name in ("ping_pong", "decode_rows", "persistent"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"MosaicAttentionConfig.{name}={getattr(self, name)!r} must be a bool")
