@@ -388,18 +388,22 @@ PERSISTENT = M(block_kv=64, num_stages=2, num_consumers=2, ping_pong=True, persi
 
 
 @needs_kernel_api
-@pytest.mark.parametrize("config,cache", [
-    (PERSISTENT, "bfloat16"),
+@pytest.mark.parametrize("config,cache,programs", [
+    (PERSISTENT, "bfloat16", 1),
+    pytest.param(PERSISTENT, "bfloat16", None, marks=SLOW),
     pytest.param(M(block_kv=64, num_stages=3, num_consumers=1, ping_pong=False,
-                   persistent=True), "bfloat16", marks=SLOW),
-    pytest.param(dataclasses.replace(PERSISTENT, decode_rows=True), "float8_e4m3fn",
+                   persistent=True), "bfloat16", None, marks=SLOW),
+    pytest.param(dataclasses.replace(PERSISTENT, decode_rows=True), "float8_e4m3fn", None,
                  marks=SLOW),
 ])
-def test_persistent_ctas_walk_several_items(rng, monkeypatch, config, cache):
-    """`MosaicAttentionConfig.persistent` on a one-multiprocessor device: a few CTAs walk every
-    work item (the ring, the query staging and the ping-pong turns carried from one item to the
-    next), against the truth with every option, and the same bits as one CTA per item."""
+def test_persistent_ctas_walk_several_items(rng, monkeypatch, config, cache, programs):
+    """`MosaicAttentionConfig.persistent`: a few CTAs (those a one-multiprocessor device holds,
+    or one that walks every item, the trailing ones with no K/V tile among them) walk every work
+    item, the ring, the query staging and the ping-pong turns carried from one item to the
+    next; against the truth with every option, and the same bits as one CTA per item."""
     monkeypatch.setattr(mosaic_gpu, "sm_count", lambda: 1)
+    if programs is not None:
+        monkeypatch.setattr(mosaic_gpu, "persistent_programs", lambda items, smem, sms: programs)
     problem = make_ragged(rng, MIX, pad=3, num_heads=4, num_kv_heads=2, head_dim=64,
                           block_size=16, dtype=cache, q_dtype="bfloat16")
     scales = dict(k_scale=0.25, v_scale=0.75) if cache == "float8_e4m3fn" else {}

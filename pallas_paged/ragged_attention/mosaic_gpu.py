@@ -207,8 +207,7 @@ def smem_bytes(head_dim: int, dtype, config: MosaicAttentionConfig, cache_dtype=
     total += allocated(consumers * MMA_ROWS * 4)                                # lse
     if cache_itemsize != itemsize:
         total += allocated(*[ring * itemsize] * 2)                  # K, V converted to dtype
-    barriers = consumers * (1 + config.persistent)         # q (persistent: and q free)
-    barriers += 3 * config.num_stages                      # K, V, free
+    barriers = consumers + 3 * config.num_stages           # q; K, V, free
     barriers += config.num_stages * (consumers > 1)        # V checked
     barriers += config.ping_pong and consumers > 1         # the schedule
     return total + 8 * barriers + MOSAIC_OWN_SMEM_BYTES
@@ -346,16 +345,15 @@ def _ragged_attention_kernel(
         row0_pos = it.first_pos + sub * MMA_ROWS - (t0 - t0_load)
         return head, t0, queries, t0_load, row0_pos
 
-    def body(q_smem, k_smem, v_smem, o_smem, lse_smem, kc_smem, vc_smem, q_bars, q_free_bars,
-             k_bars, v_bars, free_bars, v_ready_bars, schedule_bar):
+    def body(q_smem, k_smem, v_smem, o_smem, lse_smem, kc_smem, vc_smem, q_bars, k_bars, v_bars,
+             free_bars, v_ready_bars, schedule_bar):
         # q_smem [C, 64, D]; k_smem, v_smem [stages, block_kv, D] in the cache's dtype (TMA
         # destinations; 16-bit: the wgmma operands); o_smem [C, D // W, 64, W] in q.dtype,
         # W = `staging_columns` (untiled: any row range copies out); lse_smem f32[C, 64];
         # kc_smem, vc_smem [stages, block_kv, D] in q.dtype, fp8 caches' tiles converted by the
         # first consumer (the wgmma operands), else None.
-        # Barriers: q_bars[C] (a consumer's query tile copied); q_free_bars[C] (persistent: the
-        # consumer's staging may take the next item's query tile, else None); k_bars,
-        # v_bars[stages] (a stage's copies done); free_bars[stages] (every consumer is done with a stage); v_ready_bars
+        # Barriers: q_bars[C] (a consumer's query tile copied); k_bars, v_bars[stages] (a stage's
+        # copies done); free_bars[stages] (every consumer is done with a stage); v_ready_bars
         # [stages] (two consumers: the first has checked a stage's V, fp8: converted its K and
         # V, and the second may read them), else None; schedule_bar (ping_pong) the two
         # consumers' turns on the tensor cores.
@@ -374,7 +372,8 @@ def _ragged_attention_kernel(
 
         def copy_queries(it, c):
             """TMA consumer ``c``'s query tile of item ``it`` into its output staging (see
-            `consumer`)."""
+            `stage_queries`): the producer's for the CTA's first item, the consumer's own for
+            the next ones (persistent), each once the staging is free."""
             head, _, _, t0_load, _ = consumer_rows(it, c)
             for part, cols in enumerate(column_parts):
                 plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0_load, MMA_ROWS), head, cols],
@@ -389,9 +388,9 @@ def _ragged_attention_kernel(
                 copy_queries(first, c)
 
             def produce(j, it, done):
-                """Item ``it``'s K/V tiles into the ring (``done`` tiles went in before it);
-                persistent, then the next item's query tiles, each once its consumer's staging
-                is free."""
+                """Item ``it``'s K/V tiles into the ring (``done`` tiles went in before it)."""
+                del j
+
                 @pl.loop(0, it.steps)
                 def _produce(step):
                     slot = jax.lax.rem(done + step, num_stages)
@@ -402,14 +401,6 @@ def _ragged_attention_kernel(
                         plgpu.barrier_wait(free_bars.at[slot])
 
                     issue(it, it.tile_lo + step, slot, blocks)
-
-                if programs is not None:
-                    @pl.when(j + 1 < my_items)
-                    def _next_queries():
-                        following = item_at(dealt_index(cta, j + 1, programs))
-                        for c in range(num_consumers):
-                            plgpu.barrier_wait(q_free_bars.at[c])
-                            copy_queries(following, c)
 
                 return done + it.steps
 
@@ -559,9 +550,7 @@ def _ragged_attention_kernel(
 
             stage_queries(c)
             if programs is not None:
-                @pl.when(my_items > 1)
-                def _staging_free():
-                    plgpu.barrier_arrive(q_free_bars.at[c])
+                prefetch_queries(1, c)
 
             if ping_pong and c == 1:
                 schedule_turn()  # the second consumer starts one turn behind the first
@@ -570,9 +559,9 @@ def _ragged_attention_kernel(
                 schedule_turn()  # the second consumer's last turn
 
         def finish(j, it, c, head, t0, queries, row0_pos, carry):
-            """Consumer ``c``'s rows of item ``it`` normalized (with the sink) and written, with
-            their lse; persistent, the next item's query tile moved to the operand first, and
-            the staging handed back for the one after."""
+            """Consumer ``c``'s rows of item ``it`` (the CTA's ``j``-th) normalized (with the
+            sink) and written, with their lse; persistent, the next item's query tile moved to
+            the operand first, and the one after it copied into the staging once free."""
             acc, m, l = carry
             row_layout = plgpu.Layout.WGMMA.reduce(1)
             if v_scale_ref is not None:  # P V is linear in V: dequantize the sum
@@ -603,9 +592,15 @@ def _ragged_attention_kernel(
             plgpu.copy_smem_to_gmem(lse_smem.at[c], lse_ref.at[it.w, c])
             plgpu.wait_smem_to_gmem(0)
             if programs is not None:
-                @pl.when(j + 2 < my_items)
-                def _staging_free():
-                    plgpu.barrier_arrive(q_free_bars.at[c])
+                prefetch_queries(j + 2, c)
+
+        def prefetch_queries(j, c):
+            """Persistent: consumer ``c`` copies its query tile of the CTA's ``j``-th item, if
+            any, into its free staging itself (the producer would wait on a consumer that the
+            ping-pong turns can hold one item behind)."""
+            @pl.when(j < my_items)
+            def _copy():
+                copy_queries(item_at(dealt_index(cta, j, programs)), c)
 
         def write_rows(it, c, head, t0, queries):
             """Rows ``[delta, delta + queries)`` of consumer ``c``'s staged output to tokens
@@ -643,7 +638,6 @@ def _ragged_attention_kernel(
         plgpu.SMEM((c_count, MMA_ROWS), jnp.float32),
         *[mma_smem(plgpu, (num_stages, block_kv, head_dim), dtype) if converts else None] * 2,
         plgpu.Barrier(num_arrivals=head_dim // width, num_barriers=c_count),
-        plgpu.Barrier(num_barriers=c_count) if programs is not None else None,
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=c_count, num_barriers=num_stages),
