@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_paged._attention_common import kv_head_rows
 from pallas_paged._platform import has_gpu, xla_cpu_threads
 
 MIN_JAX = (0, 11, 2)  # plgpu.kernel with out_type / scratch_types and warpgroup semantics
@@ -171,11 +172,12 @@ def tile_block_ids(tables_ref, row, kv_tile, *, block_size: int, block_kv: int, 
 
 
 def copy_kv_tile(plgpu, k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, *, kv_tile, slot, blocks,
-                 k_head, v_head, block_size: int, block_kv: int) -> None:
+                 kv_head, fused: bool, block_size: int, block_kv: int) -> None:
     """TMA the K and V rows of ``kv_tile`` (its pages' block ids ``blocks``, `tile_block_ids`)
-    at cache heads ``k_head``/``v_head`` into stage ``slot`` of the rings ``k_smem``/``v_smem``
-    [stages, block_kv, D], each copy arriving on ``k_bars``/``v_bars[slot]`` (whose arrivals:
-    `copies_per_tile`)."""
+    of kv head ``kv_head`` (the fused cache: its rows `kv_head_rows`) into stage ``slot`` of the
+    rings ``k_smem``/``v_smem`` [stages, block_kv, D], each copy arriving on
+    ``k_bars``/``v_bars[slot]`` (whose arrivals: `copies_per_tile`)."""
+    k_head, v_head = kv_head_rows(kv_head, fused)
     if block_size <= block_kv:
         for j, block in enumerate(blocks):
             rows = pl.ds(j * block_size, block_size)

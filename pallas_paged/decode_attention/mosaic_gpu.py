@@ -91,16 +91,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_paged._attention_common import (divides, finite_total_max, kv_head_rows,
-                                            merge_splits, num_kv_heads, tile_range)
+from pallas_paged._attention_common import (divides, finite_total_max, merge_splits,
+                                            num_kv_heads, tile_range)
 from pallas_paged._fp8 import kernel_scale_operands
 from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, PRODUCER_REGISTERS, allocated,
                                          check_device, check_head_dim, check_jax,
                                          check_pages_fit_tiles, check_query_dtype,
                                          consumer_registers, copies_per_tile, copy_kv_tile,
-                                         ctas_per_sm, dealt_index, dealt_items, import_plgpu, mma_smem,
-                                         mma_swizzle, persistent_programs, tile_block_ids,
-                                         with_optional_operands)
+                                         ctas_per_sm, dealt_index, dealt_items, import_plgpu,
+                                         mma_smem, mma_swizzle, persistent_programs,
+                                         tile_block_ids, with_optional_operands)
 from pallas_paged._platform import sm_count
 from pallas_paged._triton_common import FP16_SAFE_MAX, dot_dtype
 from pallas_paged.decode_attention.mosaic_gpu_config import MosaicDecodeConfig
@@ -725,9 +725,8 @@ def _paged_decode_kernel(
                                   page_hi=it.page_hi)
 
         def issue(it, tile, slot, blocks):
-            k_head, v_head = kv_head_rows(it.h, fused)
             copy_kv_tile(plgpu, k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, kv_tile=tile,
-                         slot=slot, blocks=blocks, k_head=k_head, v_head=v_head,
+                         slot=slot, blocks=blocks, kv_head=it.h, fused=fused,
                          block_size=block_size, block_kv=block_k)
 
         def copy_query(it, qslot):

@@ -77,7 +77,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_paged._attention_common import divides, kv_head_rows, num_kv_heads
+from pallas_paged._attention_common import divides, num_kv_heads
 from pallas_paged._fp8 import kernel_scale_operands
 from pallas_paged._platform import device_kind, sm_count
 from pallas_paged.decode_attention import mosaic_gpu as decode_kernel
@@ -324,14 +324,16 @@ def _ragged_attention_kernel(
     else:
         my_items = dealt_items(cta, programs, items)
 
+    def item_of_cta(j) -> _WorkItem:
+        """The CTA's ``j``-th item (without ``programs``: its one item, ``j == 0``)."""
+        return item_at(cta if programs is None else dealt_index(cta, j, programs))
+
     def for_each_item(item_body, carry):
         """``item_body(j, item, carry)`` over the CTA's items ``j`` (one, unlooped, without
         ``programs``)."""
         if programs is None:
-            return item_body(0, item_at(cta), carry)
-        return jax.lax.fori_loop(
-            0, my_items, lambda j, carry: item_body(j, item_at(dealt_index(cta, j, programs)),
-                                                     carry), carry)
+            return item_body(0, item_of_cta(0), carry)
+        return jax.lax.fori_loop(0, my_items, lambda j, c: item_body(j, item_of_cta(j), c), carry)
 
     def consumer_rows(it, c):
         """Consumer ``c``'s query head in item ``it``, its first token row ``t0``, valid rows,
@@ -365,9 +367,8 @@ def _ragged_attention_kernel(
                                   page_hi=it.page_hi)
 
         def issue(it, kv_tile, slot, blocks):
-            k_head, v_head = kv_head_rows(it.h, fused)
             copy_kv_tile(plgpu, k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, kv_tile=kv_tile,
-                         slot=slot, blocks=blocks, k_head=k_head, v_head=v_head,
+                         slot=slot, blocks=blocks, kv_head=it.h, fused=fused,
                          block_size=block_size, block_kv=block_kv)
 
         def copy_queries(it, c):
@@ -383,7 +384,7 @@ def _ragged_attention_kernel(
         def _producer():
             if num_consumers > 1:
                 plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-            first = item_at(cta if programs is None else dealt_index(cta, 0, programs))
+            first = item_of_cta(0)
             for c in range(num_consumers):
                 copy_queries(first, c)
 
@@ -600,7 +601,7 @@ def _ragged_attention_kernel(
             ping-pong turns can hold one item behind)."""
             @pl.when(j < my_items)
             def _copy():
-                copy_queries(item_at(dealt_index(cta, j, programs)), c)
+                copy_queries(item_of_cta(j), c)
 
         def write_rows(it, c, head, t0, queries):
             """Rows ``[delta, delta + queries)`` of consumer ``c``'s staged output to tokens
