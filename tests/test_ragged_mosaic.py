@@ -353,7 +353,8 @@ def test_refuses_configs_past_shared_memory_and_of_the_wrong_type(rng):
 
 
 @pytest.mark.parametrize("field,value", [("block_kv", 32), ("num_stages", 1),
-                                         ("num_consumers", 3), ("ping_pong", 1)])
+                                         ("num_consumers", 3), ("ping_pong", 1),
+                                         ("decode_rows", "yes"), ("persistent", 1)])
 def test_config_refuses_bad_fields(field, value):
     with pytest.raises(ValueError, match=field):
         M(**{field: value})
