@@ -18,6 +18,10 @@ JAX_SPEC ?=
 JAX_EXTRA ?=
 # pytest-xdist workers: one per CPU.
 WORKERS ?= auto
+# Seconds one test may run before pytest-timeout stops its worker and prints every thread's stack:
+# a kernel that deadlocks in interpret mode fails its test instead of hanging the run.
+TEST_TIMEOUT ?= 900
+PYTEST = $(BIN)/python -m pytest -n $(WORKERS) --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 comma := ,
 BIN = $(VENV)/bin
 LIB_STAMP = $(VENV)/.pallas-paged-lib
@@ -47,11 +51,11 @@ parity: $(LIB_STAMP)
 	$(BIN)/python -m parity $(ARGS)
 
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -n $(WORKERS) -m "not slow" $(ARGS)
+	$(PYTEST) -m "not slow" $(ARGS)
 
 # The notebooks run as tests through nbmake here; plain `python -m pytest` runs only tests/.
 test-all: $(TEST_STAMP)
-	$(BIN)/python -m pytest -n $(WORKERS) --nbmake $(ARGS)
+	$(PYTEST) --nbmake $(ARGS)
 
 bench: $(TEST_STAMP)
 	$(BIN)/python -m benchmarks.decode $(ARGS)
