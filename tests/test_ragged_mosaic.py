@@ -30,6 +30,12 @@ KERNEL_API = _mosaic_common.jax_version() >= _mosaic_common.MIN_JAX
 needs_kernel_api = pytest.mark.skipif(
     not KERNEL_API, reason=f"impl='mosaic' needs jax >= 0.11.2 (plgpu.kernel); this is jax"
     f" {jax.__version__}")
+# On a CPU the kernel runs in Mosaic GPU's interpreter, which needs jax >= 0.12 for this kernel.
+RUNS_HERE = KERNEL_API and (jax.default_backend() == "gpu" or _mosaic_common.jax_version()
+                            >= mosaic_gpu.MIN_JAX_INTERPRET)
+needs_kernel = pytest.mark.skipif(
+    not RUNS_HERE, reason=f"the ragged Mosaic kernel runs compiled (jax >= 0.11.2, a Hopper GPU)"
+    f" or interpreted (jax >= 0.12); this is jax {jax.__version__} on {jax.default_backend()}")
 SLOW = pytest.mark.slow
 ONE_CONSUMER = M(block_kv=64, num_stages=3, num_consumers=1, ping_pong=False)
 TWO_PLAIN = M(block_kv=64, num_stages=2, num_consumers=2, ping_pong=False)
@@ -61,7 +67,7 @@ def every_option(rng, num_heads):
 
 # --- against the truth ---------------------------------------------------------------------------
 
-@needs_kernel_api
+@needs_kernel
 @pytest.mark.parametrize("dtype,config,heads", [
     ("bfloat16", None, (4, 2)),
     pytest.param("float16", PING_PONG, (8, 2), marks=SLOW),
@@ -78,7 +84,7 @@ def test_mixed_batch_matches_the_truth(rng, dtype, config, heads):
     check(problem, config)
 
 
-@needs_kernel_api
+@needs_kernel
 @pytest.mark.parametrize("which", [
     "all", pytest.param("logits_soft_cap", marks=SLOW), pytest.param("alibi_slopes", marks=SLOW),
     pytest.param("sliding_window", marks=SLOW), pytest.param("sinks", marks=SLOW)])
@@ -90,7 +96,7 @@ def test_options_match_the_truth(rng, which):
     check(problem, **options)
 
 
-@needs_kernel_api
+@needs_kernel
 @pytest.mark.parametrize("block_size,config", [
     pytest.param(16, ONE_CONSUMER, marks=SLOW),
     pytest.param(8, PING_PONG, marks=SLOW),
@@ -104,7 +110,7 @@ def test_page_sizes(rng, block_size, config):
     check(problem, config)
 
 
-@needs_kernel_api
+@needs_kernel
 @pytest.mark.parametrize("head_dim", [pytest.param(128, marks=SLOW), pytest.param(192, marks=SLOW),
                                       256])
 def test_head_dims(rng, head_dim):
@@ -115,7 +121,7 @@ def test_head_dims(rng, head_dim):
     check(problem)
 
 
-@needs_kernel_api
+@needs_kernel
 @SLOW
 def test_fused_cache_gives_the_same_bits(rng):
     """`paged_attention_fused` reads the interleaved rows in place: the same bits as the pair."""
@@ -130,7 +136,7 @@ def test_fused_cache_gives_the_same_bits(rng):
     np.testing.assert_array_equal(bits(fused_lse), bits(lse))
 
 
-@needs_kernel_api
+@needs_kernel
 @pytest.mark.parametrize("with_options", [pytest.param(False, marks=SLOW), True])
 def test_i8_later_positions_are_never_seen(rng, with_options):
     """Poisoning every position from ``cut`` on (NaN in K and V) leaves the rows of queries
@@ -154,7 +160,7 @@ def test_i8_later_positions_are_never_seen(rng, with_options):
     np.testing.assert_array_equal(bits(out)[kept], bits(clean)[kept])
 
 
-@needs_kernel_api
+@needs_kernel
 @SLOW
 def test_i9_padding_rows_are_zeros_and_disturb_nothing(rng):
     problem = make_ragged(rng, [(5, 12), (1, 3), (3, 9)], pad=70, num_heads=4, num_kv_heads=2,
@@ -224,7 +230,7 @@ def test_work_list_covers_every_row_once_longest_first(group, consumers):
     np.testing.assert_array_equal(np.asarray(lse), want)
 
 
-@needs_kernel_api
+@needs_kernel
 @pytest.mark.parametrize("q_dtype,config,heads,head_dim", [
     ("bfloat16", PING_PONG, (4, 2), 64),       # the first consumer converts for both
     pytest.param("float16", ONE_CONSUMER, (4, 2), 64, marks=SLOW),
@@ -243,7 +249,7 @@ def test_fp8_cache_with_every_option(rng, q_dtype, config, heads, head_dim):
     assert out.dtype == jnp.dtype(q_dtype)
 
 
-@needs_kernel_api
+@needs_kernel
 def test_fp8_scales_as_arrays_one_program_for_every_scale(rng):
     """Traced f32 scales equal the same python floats bit for bit, and a jitted step compiles
     once for two pairs of scales (they are kernel operands)."""
@@ -267,7 +273,7 @@ def test_fp8_scales_as_arrays_one_program_for_every_scale(rng):
 DECODE_ROWS = M(block_kv=64, num_stages=2, num_consumers=2, ping_pong=True, decode_rows=True)
 
 
-@needs_kernel_api
+@needs_kernel
 @pytest.mark.parametrize("cache,options", [
     ("bfloat16", "all"),
     pytest.param("float8_e4m3fn", "all", marks=SLOW),
@@ -310,7 +316,7 @@ def test_decode_rows_lower_for_cuda_to_both_kernels(monkeypatch):
     assert text.count("stablehlo.custom_call @mosaic_gpu") >= 2
 
 
-@needs_kernel_api
+@needs_kernel
 def test_decode_rows_refused_where_the_decode_kernel_refuses(rng):
     """A group of 128 query heads: the ragged kernel takes it, the decode kernel (up to 64) does
     not, so decode_rows=True is a ValueError naming both ways out."""
@@ -352,6 +358,24 @@ def test_refuses_configs_past_shared_memory_and_of_the_wrong_type(rng):
                            config=pp.AttentionConfig())
 
 
+@needs_kernel_api
+def test_interpret_mode_refused_where_jax_cannot_interpret_the_kernel(rng, monkeypatch):
+    """jax 0.11's Mosaic GPU interpreter cannot run the kernel: interpret=True is a ValueError
+    that names both ways out (argument errors still come first)."""
+    problem = make_ragged(rng, [(3, 12)], num_heads=4, num_kv_heads=2, head_dim=64,
+                          block_size=16, dtype="bfloat16")
+    monkeypatch.setattr(mosaic_gpu, "jax_version", lambda: (0, 11, 2))
+    with pytest.raises(ValueError, match=r"interpret=True needs jax >= 0\.12\.0 .* found jax"
+                                         r".*run it compiled on a Hopper GPU, or use impl='pallas'"):
+        pp.paged_attention(*problem.jax(), impl="mosaic", interpret=True)
+    with pytest.raises(ValueError, match="bf16 or fp16 queries"):
+        pp.paged_attention(*make_ragged(rng, [(3, 12)], num_heads=4, num_kv_heads=2,
+                                        head_dim=64, block_size=16, dtype="float32").jax(),
+                           impl="mosaic", interpret=True)
+    monkeypatch.setattr(mosaic_gpu, "jax_version", lambda: (0, 12, 0))
+    assert mosaic_gpu.refusal(*problem.jax()[:2], M(), interpret=True) is None
+
+
 @pytest.mark.parametrize("field,value", [("block_kv", 32), ("num_stages", 1),
                                          ("num_consumers", 3), ("ping_pong", 1),
                                          ("decode_rows", "yes"), ("persistent", 1)])
@@ -388,7 +412,7 @@ def test_compiled_against_the_triton_kernel(rng, seqs, cache, head_dim):
 PERSISTENT = M(block_kv=64, num_stages=2, num_consumers=2, ping_pong=True, persistent=True)
 
 
-@needs_kernel_api
+@needs_kernel
 @pytest.mark.parametrize("config,cache,programs", [
     (PERSISTENT, "bfloat16", 1),
     pytest.param(PERSISTENT, "bfloat16", None, marks=SLOW),

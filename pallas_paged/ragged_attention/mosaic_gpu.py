@@ -64,7 +64,8 @@ Supported (anything else is a ValueError naming the argument and the way out):
 - ``head_dim`` 64, 128, 192 or 256; ``block_size`` a multiple of 8 that divides ``block_kv`` or
   is a multiple of it; any GQA group;
 - soft-cap, ALiBi, sliding window, sinks, ``return_lse``, the fused cache;
-- jax >= 0.11.2 and compute capability 9.0 or later, or Mosaic GPU's interpret mode anywhere.
+- jax >= 0.11.2 and compute capability 9.0 or later, or Mosaic GPU's interpret mode anywhere
+  with jax >= 0.12 (`MIN_JAX_INTERPRET`).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, PRODUCER_REGISTERS, all
                                          check_device, check_head_dim, check_jax,
                                          check_pages_fit_tiles, check_query_dtype,
                                          consumer_registers, copies_per_tile, copy_kv_tile,
-                                         dealt_index, dealt_items, import_plgpu, mma_smem,
+                                         dealt_index, dealt_items, import_plgpu, jax_version,
+                                         mma_smem,
                                          persistent_programs, tile_block_ids,
                                          with_optional_operands)
 from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfig
@@ -98,6 +100,9 @@ MMA_ROWS = 64  # a consumer's query tile: wgmma's M, 64 tokens of one query head
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
 KERNEL_NAME = "pallas_paged_ragged_mosaic"
 LOG2E = math.log2(math.e)
+# Mosaic GPU's interpreter in jax 0.11 cannot seed a wgmma accumulator from registers
+# (`plgpu.ACC.init`, the ``O += P V`` product); compiled, jax 0.11.2 runs the kernel.
+MIN_JAX_INTERPRET = (0, 12, 0)
 LN2 = math.log(2.0)
 # Shared memory Mosaic GPU's kernel takes beyond the scratch (as for the decode kernel).
 MOSAIC_OWN_SMEM_BYTES = 2048
@@ -239,6 +244,17 @@ def check_supported(q, k_cache, config: MosaicAttentionConfig) -> None:
             f" CTA: fewer num_stages, block_kv=64 or num_consumers=1{fp8}")
 
 
+def check_interpret_jax(interpret: bool) -> None:
+    """ValueError where interpret mode is asked of a jax whose interpreter cannot run the
+    kernel (`MIN_JAX_INTERPRET`)."""
+    if interpret and jax_version() < MIN_JAX_INTERPRET:
+        raise ValueError(
+            f"impl='mosaic' with interpret=True needs jax >="
+            f" {'.'.join(map(str, MIN_JAX_INTERPRET))} for the ragged kernel, found jax"
+            f" {jax.__version__} (its Mosaic GPU interpreter cannot seed a wgmma accumulator from"
+            f" registers): run it compiled on a Hopper GPU, or use impl='pallas' or impl='xla'")
+
+
 def refusal(q, k_cache, config: MosaicAttentionConfig, interpret: bool) -> str | None:
     """Why this kernel cannot run the call (a ValueError's message), or None where it can: the
     jax version, the shapes and dtypes for ``config``, then the device. Reads only ``.shape``
@@ -247,6 +263,7 @@ def refusal(q, k_cache, config: MosaicAttentionConfig, interpret: bool) -> str |
         check_jax()
         check_supported(q, k_cache, config)
         check_device(interpret)
+        check_interpret_jax(interpret)
     except ValueError as e:
         return str(e)
     return None
