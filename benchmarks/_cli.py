@@ -270,7 +270,8 @@ LABEL_PARTS = {
     AttentionConfig: {"bq": "block_q", "sq": "short_block_q", "bk": "block_k", "s": "num_splits",
                       "w": "num_warps", "st": "num_stages", "pr": "fp8_pairs"},
     MosaicAttentionConfig: {"bkv": "block_kv", "st": "num_stages", "c": "num_consumers",
-                            "pp": "ping_pong", "dr": "decode_rows", "ps": "persistent"},
+                            "pp": "ping_pong", "dr": "decode_rows", "ps": "persistent",
+                            "ph": "pack_heads"},
 }
 
 

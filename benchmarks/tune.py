@@ -174,12 +174,22 @@ def ragged_mosaic_candidates(shape, heuristic, ranked, sms) -> list:
     """64- and 128-token tiles x 2, 3 and 4 stages x two consumers with and without ping-pong,
     and one: the configs the kernel takes for the shape (the rest are left out); the ping-pong
     ones again on persistent CTAs; where the shape has one-token sequences, the ping-pong ones
-    again with ``decode_rows``."""
+    again with ``decode_rows``; where it has sequences of at most 16 new tokens, the ping-pong
+    and one-consumer ones again with the most heads of the group whose tokens fit 64 rows in a
+    consumer's tile (``pack_heads``)."""
     configs = _ragged_mosaic_tiles(shape)
     ping_pong = [c for c in configs if c.ping_pong]
+    one = [c for c in configs if c.num_consumers == 1]
     configs += [dataclasses.replace(c, persistent=True) for c in ping_pong]
     if any(q_len == 1 for _, q_len, _ in shape.seqs):
         configs += [dataclasses.replace(c, decode_rows=True) for c in ping_pong]
+    short = [q_len for _, q_len, _ in shape.seqs if 0 < q_len <= 16]
+    q, k_cache = shape.abstract_args()[:2]
+    group = q.shape[1] // k_cache.shape[2]
+    fits = [p for p in ragged_mosaic_config.PACKS[1:]
+            if short and p <= 64 // next_power_of_2(max(short)) and group % p == 0]
+    if fits:
+        configs += [dataclasses.replace(c, pack_heads=max(fits)) for c in ping_pong + one]
     return [c for c in configs if _takes(shape, c)]
 
 

@@ -588,19 +588,24 @@ def test_tune_ragged_smoke(tmp_path):
         tune.main(["ragged", "--impl", "triton"])
 
 
+D256 = MosaicAttentionConfig(block_kv=64, num_stages=2, num_consumers=1, ping_pong=False)
+
+
 @pytest.mark.parametrize("name,count,only", [
     ("prefill_b4_q2048", 16, None),      # the 12 of 18 that fit; 4 ping-pong ones persistent
-    ("fp8_mixed_4x512c2560_60dec4096", 10, None),  # the converted ring: 6 fit; 2 + 2 persistent
-    #                                                and decode_rows
-    ("d256_decode_b32_ctx4096", 1, MosaicAttentionConfig(block_kv=64, num_stages=2,
-                                                         num_consumers=1, ping_pong=False))])
+    ("fp8_mixed_4x512c2560_60dec4096", 14, None),  # the converted ring: 6 fit; 2 + 2 persistent
+    #                                                and decode_rows; 4 with the group packed
+    ("spec_b32_q4_ctx4096", 24, None),   # 16 as for prefill; 8 with the group (4) packed
+    ("d256_decode_b32_ctx4096", 2, [D256, dataclasses.replace(D256, pack_heads=4)])])
 def test_tune_ragged_mosaic_candidates_are_configs_the_kernel_takes(name, count, only):
     shape = shapes.shape_by_name(name)
     found = tune.ragged_mosaic_candidates(shape, None, [], 132)
     assert len(found) == len(set(found)) == count
     for config in found:
         ragged_mosaic.check_supported(*shape.abstract_args()[:2], config)
-    assert only is None or found == [only]
+    assert only is None or found == only
+    packed = [c.pack_heads for c in found if c.pack_heads > 1]
+    assert set(packed) <= {4} and (packed != []) == ("prefill" not in name)
 
 
 @needs_mosaic

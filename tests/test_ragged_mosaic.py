@@ -97,6 +97,35 @@ def test_options_match_the_truth(rng, which):
 
 
 @needs_kernel
+@pytest.mark.parametrize("config,heads,cache", [
+    (M(block_kv=64, num_stages=2, pack_heads=2), (8, 2), "bfloat16"),  # a pack per consumer
+    pytest.param(M(block_kv=64, num_stages=3, num_consumers=1, ping_pong=False, pack_heads=4),
+                 (8, 2), "bfloat16", marks=SLOW),                      # the whole group
+    pytest.param(M(block_kv=64, pack_heads=2), (4, 2), "bfloat16",
+                 marks=SLOW),                                          # two token halves
+    pytest.param(M(block_kv=64, pack_heads=8, persistent=True), (16, 1), "float8_e4m3fn",
+                 marks=SLOW),
+])
+def test_packed_heads_match_the_truth_and_the_unpacked_bits(rng, config, heads, cache):
+    """``pack_heads``: a consumer's rows hold several heads' tokens, each row still its own
+    softmax: against the truth with every option, and ``pack_heads=1`` within a rounding (the
+    same operations per row, but a sink or slope per row rather than per tile contracts into
+    fused multiply-adds elsewhere: the last bit of an fp32 value may differ)."""
+    num_heads, kvh = heads
+    problem = make_ragged(rng, [(4, 40), (1, 9), (0, 5), (19, 70), (3, 3)], pad=2,
+                          num_heads=num_heads, num_kv_heads=kvh, head_dim=64, block_size=16,
+                          dtype=cache, q_dtype="bfloat16")
+    scales = dict(k_scale=0.5, v_scale=2.0) if cache == "float8_e4m3fn" else {}
+    every = every_option(rng, num_heads)
+    out, lse = check(problem, config, **scales, **every)
+    want, want_lse = attend(problem, dataclasses.replace(config, pack_heads=1), **scales,
+                            **every)
+    np.testing.assert_allclose(out.astype(np.float32), to_numpy(want).astype(np.float32),
+                               rtol=2 ** -7, atol=2 ** -7)
+    np.testing.assert_allclose(lse, to_numpy(want_lse), rtol=1e-6, atol=1e-6)
+
+
+@needs_kernel
 @pytest.mark.parametrize("block_size,config", [
     pytest.param(16, ONE_CONSUMER, marks=SLOW),
     pytest.param(8, PING_PONG, marks=SLOW),
@@ -175,15 +204,17 @@ def test_i9_padding_rows_are_zeros_and_disturb_nothing(rng):
 
 # --- the work list and the lse gather (plain XLA) ------------------------------------------------
 
-@pytest.mark.parametrize("group,consumers", [(4, 2), (3, 2), (4, 1), (1, 2)])
-def test_work_list_covers_every_row_once_longest_first(group, consumers):
+@pytest.mark.parametrize("group,consumers,pack", [(4, 2, 1), (3, 2, 1), (4, 1, 1), (1, 2, 1),
+                                                 (4, 2, 4), (8, 2, 2), (8, 1, 8), (2, 2, 2)])
+def test_work_list_covers_every_row_once_longest_first(group, consumers, pack):
     """Every token (padding included) lies in exactly one listed tile; tiles are listed by the
-    K/V positions they attend, most first; `gather_lse` finds each token's row."""
+    K/V positions they attend, most first; `gather_lse` finds each token's row (with
+    ``pack`` heads per consumer tile, one after the other)."""
     q_lens = [1, 0, 70, 130, 13, 3]
     lens = [9, 5, 100, 400, 13, 40]
     num_tokens = sum(q_lens) + 5
     starts = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    tokens = mosaic_gpu.tokens_per_cta(group, consumers)
+    tokens = mosaic_gpu.tokens_per_cta(group, consumers, pack)
     programs = mosaic_gpu.num_work_tiles(num_tokens, len(q_lens), tokens)
     work = np.asarray(mosaic_gpu.work_list(starts, jnp.asarray(lens, jnp.int32),
                                            num_tokens=num_tokens, tokens=tokens,
@@ -204,28 +235,31 @@ def test_work_list_covers_every_row_once_longest_first(group, consumers):
     assert (covered == 1).all()
     assert attended == sorted(attended, reverse=True)
     # each consumer's lse row holds its tokens: token t, head h -> t * 1000 + h
-    heads = mosaic_gpu.heads_per_cta(group, consumers)
+    packs = mosaic_gpu.packs_per_cta(group, consumers, pack)
+    head_blocks = group // (packs * pack)
+    head_tokens = 64 // pack
     kvh, num_heads = 2, 2 * group
-    ctas = programs * kvh * (group // heads)
+    ctas = programs * kvh * head_blocks
     padded = max(num_tokens, 64)
     tiles = np.full((ctas, consumers, 64), np.nan, np.float32)
     for rank, (b, tile) in enumerate(work.T):
         if b > len(q_lens):
             continue
         for h in range(kvh):
-            for hb in range(group // heads):
+            for hb in range(head_blocks):
                 for c in range(consumers):
-                    sub, head = c // heads, h * group + hb * heads + c % heads
-                    t0 = int(starts[b]) + tile * tokens + sub * 64
-                    t0_load = min(max(t0, 0), padded - 64)
+                    sub = c // packs
+                    head0 = h * group + (hb * packs + c % packs) * pack
+                    t0 = int(starts[b]) + tile * tokens + sub * head_tokens
+                    t0_load = min(max(t0, 0), padded - head_tokens)
                     for row in range(64):
-                        t = t0_load + row
-                        if t0 <= t < min(t0 + 64, ends[b]):
-                            tiles[(rank * kvh + h) * (group // heads) + hb, c, row] = (
-                                t * 1000 + head)
+                        k, t = row // head_tokens, t0_load + row % head_tokens
+                        if t0 <= t < min(t0 + head_tokens, ends[b]):
+                            tiles[(rank * kvh + h) * head_blocks + hb, c, row] = (
+                                t * 1000 + head0 + k)
     lse = mosaic_gpu.gather_lse(jnp.asarray(tiles), jnp.asarray(work), starts,
                                 num_tokens=num_tokens, num_heads=num_heads, group=group,
-                                num_consumers=consumers, padded_tokens=padded)
+                                num_consumers=consumers, pack=pack, padded_tokens=padded)
     want = np.arange(num_tokens)[:, None] * 1000 + np.arange(num_heads)[None, :]
     np.testing.assert_array_equal(np.asarray(lse), want)
 
@@ -356,6 +390,10 @@ def test_refuses_configs_past_shared_memory_and_of_the_wrong_type(rng):
     with pytest.raises(ValueError, match="config"):
         pp.paged_attention(*problem.jax(), impl="mosaic", interpret=True,
                            config=pp.AttentionConfig())
+    with pytest.raises(ValueError, match=r"pack_heads=4 must divide the GQA group of 2 query"
+                                         r" heads per kv head \(num_heads=4, num_kv_heads=2\)"):
+        pp.paged_attention(*problem.jax(), impl="mosaic", interpret=True,
+                           config=M(block_kv=64, num_consumers=1, pack_heads=4))
 
 
 @needs_kernel_api
@@ -376,9 +414,36 @@ def test_interpret_mode_refused_where_jax_cannot_interpret_the_kernel(rng, monke
     assert mosaic_gpu.refusal(*problem.jax()[:2], M(), interpret=True) is None
 
 
+@pytest.mark.parametrize("tokens,batch,group,head_dim,cache,want", [
+    (8192, 4, 4, 128, "bfloat16", M()),                                  # prefill: no pack
+    (2108, 64, 4, 128, "bfloat16", M()),                                 # a mix: 33 per sequence
+    (128, 32, 4, 128, "bfloat16", M(block_kv=64, num_stages=3, num_consumers=1,
+                                     ping_pong=False, pack_heads=4)),    # speculation: 4 tokens
+    (32, 32, 8, 128, "bfloat16", M(block_kv=64, num_stages=3, num_consumers=1,
+                                    ping_pong=False, pack_heads=8)),     # decodes
+    (128, 32, 32, 128, "bfloat16", M(pack_heads=16)),                    # two packs of 16
+    (32, 32, 6, 128, "float8_e4m3fn", M(block_kv=64, num_stages=3, num_consumers=1,
+                                         ping_pong=False, pack_heads=2)),  # 6 = 2 x 3
+    (32, 32, 8, 256, "bfloat16", M(block_kv=64, num_stages=2, num_consumers=1,
+                                    ping_pong=False, pack_heads=8)),
+    (32, 32, 1, 128, "bfloat16", M()),                                   # MHA: nothing to pack
+])
+def test_heuristic_packs_heads_for_short_sequences(tokens, batch, group, head_dim, cache, want):
+    from pallas_paged.ragged_attention.mosaic_gpu_config import get_mosaic_heuristic_config
+    shape = pp.AttentionShape(num_tokens=tokens, batch=batch, num_kv_heads=8, group=group,
+                              head_dim=head_dim, block_size=16, capacity=4096,
+                              cache_dtype=cache)
+    config = get_mosaic_heuristic_config(shape)
+    assert config == want
+    S = jax.ShapeDtypeStruct
+    mosaic_gpu.check_supported(S((tokens, 8 * group, head_dim), jnp.bfloat16),
+                               S((100, 16, 8, head_dim), jnp.dtype(cache)), config)
+
+
 @pytest.mark.parametrize("field,value", [("block_kv", 32), ("num_stages", 1),
                                          ("num_consumers", 3), ("ping_pong", 1),
-                                         ("decode_rows", "yes"), ("persistent", 1)])
+                                         ("decode_rows", "yes"), ("persistent", 1),
+                                         ("pack_heads", 3), ("pack_heads", True)])
 def test_config_refuses_bad_fields(field, value):
     with pytest.raises(ValueError, match=field):
         M(**{field: value})
@@ -434,9 +499,10 @@ def test_persistent_ctas_walk_several_items(rng, monkeypatch, config, cache, pro
     scales = dict(k_scale=0.25, v_scale=0.75) if cache == "float8_e4m3fn" else {}
     every = every_option(rng, 4)
     smem = mosaic_gpu.smem_bytes(64, jnp.bfloat16, config, cache)
-    tokens = mosaic_gpu.tokens_per_cta(2, config.num_consumers)
+    tokens = mosaic_gpu.tokens_per_cta(2, config.num_consumers, config.pack_heads)
     items = (mosaic_gpu.num_work_tiles(problem.q.shape[0], len(MIX), tokens) * 2
-             * 2 // mosaic_gpu.heads_per_cta(2, config.num_consumers))
+             * 2 // (mosaic_gpu.packs_per_cta(2, config.num_consumers, config.pack_heads)
+                     * config.pack_heads))
     assert _mosaic_common.persistent_programs(items, smem, sm_count=1) < items / 2
     out, lse = check(problem, config, **scales, **every)
     per_item = dataclasses.replace(config, persistent=False)
@@ -463,6 +529,7 @@ def test_persistent_ctas_walk_several_items(rng, monkeypatch, config, cache, pro
                  marks=SLOW),
     (128, M(block_kv=64, num_stages=2, num_consumers=2, ping_pong=True), "fp8"),
     (128, M(persistent=True), True),
+    (128, M(num_consumers=1, ping_pong=False, pack_heads=4), True),
 ])
 def test_lowers_for_cuda_with_the_shared_memory_its_model_says(monkeypatch, head_dim, config,
                                                                options):

@@ -16,12 +16,15 @@ later (``plgpu.kernel``). Read top to bottom (the public function is
    ring, the query staging and the ping-pong turns carry on from one item to the next, so the
    next item's tiles stream in while the current one's output goes out). A CTA has
    ``num_consumers`` consumer warpgroups (1 or 2) and a producer warpgroup.
-   - A consumer's 64 wgmma rows are 64 tokens of one query head. With two consumers they take
-     two heads of the kv head's group (`heads_per_cta`; groups of even size) over the same 64
-     tokens, else two consecutive 64-token halves of one head: either way they attend the same
-     K/V tiles and share every stage of the ring.
-   - The producer copies each consumer's query tile by TMA (a strided box ``q[t0:t0+64, head]``),
-     then walks the CTA's K/V tiles: ``block_kv`` tokens, ``block_kv / block_size`` whole pages,
+   - A consumer's 64 wgmma rows are 64 tokens of one query head, or with
+     ``MosaicAttentionConfig.pack_heads`` the same ``64 / pack_heads`` tokens of that many heads
+     of the kv head's group, one head after the other (so that a sequence with few new tokens
+     does not leave most rows empty). With two consumers they take two packs of heads
+     (`packs_per_cta`, where they divide the group's packs) over the same tokens, else two
+     consecutive token tiles of one pack: either way they attend the same K/V tiles and share
+     every stage of the ring.
+   - The producer copies each consumer's query tile by TMA (a strided box ``q[t0:t0+64, head]``
+     per head of the pack), then walks the CTA's K/V tiles: ``block_kv`` tokens, ``block_kv / block_size`` whole pages,
      one TMA copy each, the block ids read from the table in GMEM, into a ring of ``num_stages``
      shared-memory stages; it refills a stage once every consumer has freed it.
    - fp8 caches: the first consumer converts each stage's K and V tiles to the query's dtype
@@ -116,7 +119,7 @@ class _WorkItem(NamedTuple):
     and head block, and the K/V tiles it walks (int32 scalars)."""
     w: Any           # the item's index (its lse rows)
     h: Any           # kv head
-    hb: Any          # head block (`heads_per_cta` query heads of the kv head's group)
+    hb: Any          # head block (`packs_per_cta` packs of the kv head's group)
     tile: Any        # the query tile within its sequence
     q_start: Any     # the sequence's first query row
     queries: Any     # the tile's query rows (0 .. `tokens_per_cta`)
@@ -138,14 +141,16 @@ def staging_columns(head_dim: int) -> int:
     return 128 if head_dim % 128 == 0 else head_dim
 
 
-def heads_per_cta(group: int, num_consumers: int) -> int:
-    """Query heads one CTA computes: one per consumer where they divide the group, else one."""
-    return num_consumers if group % num_consumers == 0 else 1
+def packs_per_cta(group: int, num_consumers: int, pack: int) -> int:
+    """Packs of ``pack`` query heads (`MosaicAttentionConfig.pack_heads`) one CTA computes: one
+    per consumer where they divide the group's packs, else one."""
+    packs = group // pack
+    return num_consumers if packs % num_consumers == 0 else 1
 
 
-def tokens_per_cta(group: int, num_consumers: int) -> int:
-    """Query tokens one CTA computes: 64 per consumer, over `heads_per_cta` heads."""
-    return MMA_ROWS * num_consumers // heads_per_cta(group, num_consumers)
+def tokens_per_cta(group: int, num_consumers: int, pack: int) -> int:
+    """Query tokens one CTA computes: ``64 / pack`` per consumer, over `packs_per_cta` packs."""
+    return MMA_ROWS // pack * num_consumers // packs_per_cta(group, num_consumers, pack)
 
 
 def num_work_tiles(num_tokens: int, batch: int, tokens: int) -> int:
@@ -228,6 +233,12 @@ def check_supported(q, k_cache, config: MosaicAttentionConfig) -> None:
             f" k_cache.dtype={jnp.dtype(k_cache.dtype)} with q.dtype={jnp.dtype(q.dtype)}")
     check_head_dim(q, SUPPORTED_HEAD_DIMS)
     check_pages_fit_tiles(k_cache, config.block_kv, "block_kv")
+    group = q.shape[1] // k_cache.shape[2]
+    if group % config.pack_heads:
+        raise ValueError(
+            f"config={config}: pack_heads={config.pack_heads} must divide the GQA group of"
+            f" {group} query heads per kv head (num_heads={q.shape[1]},"
+            f" num_kv_heads={k_cache.shape[2]}): a power of two dividing {group}")
     if config.decode_rows:
         rows = jax.ShapeDtypeStruct((1, *q.shape[1:]), q.dtype)
         try:
@@ -296,15 +307,19 @@ def _ragged_attention_kernel(
     window: int | None,
     fused: bool,
     programs: int | None,
+    pack: int,
 ):
     num_blocks, block_size, _, head_dim = k_ref.shape
     kvh = num_kv_heads(k_ref.shape, fused)
     batch, max_blocks = tables_ref.shape
     padded_tokens = q_ref.shape[0]
     dtype = q_ref.dtype
-    heads = heads_per_cta(group, num_consumers)
-    head_blocks = group // heads
-    tokens = tokens_per_cta(group, num_consumers)
+    packs = packs_per_cta(group, num_consumers, pack)
+    head_blocks = group // (packs * pack)
+    tokens = tokens_per_cta(group, num_consumers, pack)
+    # A consumer's 64 rows: heads head0 .. head0 + pack - 1 one after the other, each with the
+    # same `head_tokens` consecutive tokens.
+    head_tokens = MMA_ROWS // pack
     copies = copies_per_tile(block_size, block_kv)
     width = staging_columns(head_dim)
     converts = k_ref.dtype != dtype  # fp8 caches
@@ -353,16 +368,20 @@ def _ragged_attention_kernel(
         return jax.lax.fori_loop(0, my_items, lambda j, c: item_body(j, item_of_cta(j), c), carry)
 
     def consumer_rows(it, c):
-        """Consumer ``c``'s query head in item ``it``, its first token row ``t0``, valid rows,
-        the row its tile is read from (``t0_load``, at most ``T - 64``) and the position of its
-        row 0."""
-        sub = c // heads
-        head = it.h * group + it.hb * heads + c % heads
-        t0 = it.q_start + it.tile * tokens + sub * MMA_ROWS
-        queries = jnp.clip(it.queries - sub * MMA_ROWS, 0, MMA_ROWS)
-        t0_load = jnp.clip(t0, 0, padded_tokens - MMA_ROWS)
-        row0_pos = it.first_pos + sub * MMA_ROWS - (t0 - t0_load)
-        return head, t0, queries, t0_load, row0_pos
+        """Consumer ``c``'s first query head ``head0`` in item ``it``, its first token ``t0``,
+        valid tokens, the token its tile is read from (``t0_load``, at most ``T - head_tokens``)
+        and the position of the tile's first token."""
+        sub = c // packs
+        head0 = it.h * group + (it.hb * packs + c % packs) * pack
+        t0 = it.q_start + it.tile * tokens + sub * head_tokens
+        queries = jnp.clip(it.queries - sub * head_tokens, 0, head_tokens)
+        t0_load = jnp.clip(t0, 0, padded_tokens - head_tokens)
+        row0_pos = it.first_pos + sub * head_tokens - (t0 - t0_load)
+        return head0, t0, queries, t0_load, row0_pos
+
+    def head_rows(k, start=0, size=head_tokens):
+        """The rows of a consumer's tile that hold its ``k``-th head's tokens ``start ..``."""
+        return pl.ds(k * head_tokens + start, size)
 
     def body(q_smem, k_smem, v_smem, o_smem, lse_smem, kc_smem, vc_smem, q_bars, k_bars, v_bars,
              free_bars, v_ready_bars, schedule_bar):
@@ -377,6 +396,7 @@ def _ragged_attention_kernel(
         # V, and the second may read them), else None; schedule_bar (ping_pong) the two
         # consumers' turns on the tensor cores.
         wg = jax.lax.axis_index("wg")
+        row_layout = plgpu.Layout.WGMMA.reduce(1)  # f32[64]: one value per row of a tile
 
         def block_ids(it, kv_tile):
             return tile_block_ids(tables_ref, it.table_row, kv_tile, block_size=block_size,
@@ -392,10 +412,11 @@ def _ragged_attention_kernel(
             """TMA consumer ``c``'s query tile of item ``it`` into its output staging (see
             `stage_queries`): the producer's for the CTA's first item, the consumer's own for
             the next ones (persistent), each once the staging is free."""
-            head, _, _, t0_load, _ = consumer_rows(it, c)
-            for part, cols in enumerate(column_parts):
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0_load, MMA_ROWS), head, cols],
-                                        o_smem.at[c, part], q_bars.at[c])
+            head0, _, _, t0_load, _ = consumer_rows(it, c)
+            for k in range(pack):
+                for part, cols in enumerate(column_parts):
+                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0_load, head_tokens), head0 + k, cols],
+                                            o_smem.at[c, part, head_rows(k)], q_bars.at[c])
 
         @pl.when(wg == num_consumers)
         def _producer():
@@ -459,6 +480,25 @@ def _ragged_attention_kernel(
             if masked:
                 fix_values(it, vc_smem.at[slot], kv_tile)
 
+        def row_tokens(shape, layout):
+            """i32 ``shape``: each row's token within the tile (rows hold ``pack`` heads'
+            tokens one after the other)."""
+            rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+            return rows if pack == 1 else jax.lax.rem(rows, head_tokens)
+
+        def per_row(ref, head0):
+            """``ref f32[num_heads]`` for each row's head: a scalar for one head, else
+            f32[64] in the rows' layout."""
+            if pack == 1:
+                return ref[head0]
+            k = jax.lax.div(plgpu.broadcasted_iota(jnp.int32, (MMA_ROWS,), 0,
+                                                   layout=row_layout), head_tokens)
+            value = plgpu.layout_cast(jnp.full((MMA_ROWS,), ref[head0], jnp.float32),
+                                      row_layout)
+            for i in range(1, pack):
+                value = jnp.where(k == i, ref[head0 + i], value)
+            return value
+
         def stage_queries(c):
             """Consumer ``c``'s query tile, once copied, from the output's untiled staging into
             the wgmma operand, through registers (a TMA copy into the tiled, swizzled operand
@@ -472,16 +512,19 @@ def _ragged_attention_kernel(
         def consumer(c):
             q_tile = q_smem.at[c]
             score_shape = (MMA_ROWS, block_kv)
-            row_layout = plgpu.Layout.WGMMA.reduce(1)
             folds = soft_cap is None and alibi_ref is None  # log2(e) folded into the scale
             score_scale = scale if k_scale_ref is None else scale * k_scale_ref[0]
+
+            def per_row_scores(x):
+                """A scalar or per-row ``x`` (`per_row`) across the score tile's columns."""
+                return x if pack == 1 else jax.lax.broadcast_in_dim(x, score_shape, [0])
 
             def attend(j, it, done):
                 """Item ``it`` (the CTA's ``j``-th; ``done`` ring tiles read before it): its
                 query tile is in ``q_smem[c]``; its output and lse go out; persistent, the next
                 item's query tile moves in before the output is staged."""
-                head, t0, queries, _, row0_pos = consumer_rows(it, c)
-                slope = None if alibi_ref is None else alibi_ref[head]
+                head0, t0, queries, _, row0_pos = consumer_rows(it, c)
+                slope = None if alibi_ref is None else per_row_scores(per_row(alibi_ref, head0))
                 walk = functools.partial(step_body, it=it, done=done, row0_pos=row0_pos,
                                          slope=slope)
                 carry = (plgpu.layout_cast(jnp.zeros((MMA_ROWS, head_dim), jnp.float32),
@@ -492,7 +535,7 @@ def _ragged_attention_kernel(
                 for (lo, hi), masked in zip(it.loops, (True, False, True)):
                     carry = jax.lax.fori_loop(lo, hi, functools.partial(walk, masked=masked),
                                               carry)
-                finish(j, it, c, head, t0, queries, row0_pos, carry)
+                finish(j, it, c, head0, t0, queries, row0_pos, carry)
                 return done + it.steps
 
             def step_body(kv_tile, carry, *, masked: bool, it, done, row0_pos, slope):
@@ -525,8 +568,7 @@ def _ragged_attention_kernel(
                 if alibi_ref is not None or masked:
                     pos = kv_tile * block_kv + plgpu.broadcasted_iota(
                         jnp.int32, score_shape, 1, layout=plgpu.Layout.WGMMA)
-                    row_pos = row0_pos + plgpu.broadcasted_iota(
-                        jnp.int32, score_shape, 0, layout=plgpu.Layout.WGMMA)
+                    row_pos = row0_pos + row_tokens(score_shape, plgpu.Layout.WGMMA)
                 if alibi_ref is not None:
                     s = s + slope * (pos - row_pos).astype(jnp.float32)
                 if not folds:
@@ -576,22 +618,20 @@ def _ragged_attention_kernel(
             if ping_pong and c == 0:
                 schedule_turn()  # the second consumer's last turn
 
-        def finish(j, it, c, head, t0, queries, row0_pos, carry):
+        def finish(j, it, c, head0, t0, queries, row0_pos, carry):
             """Consumer ``c``'s rows of item ``it`` (the CTA's ``j``-th) normalized (with the
             sink) and written, with their lse; persistent, the next item's query tile moved to
             the operand first, and the one after it copied into the staging once free."""
             acc, m, l = carry
-            row_layout = plgpu.Layout.WGMMA.reduce(1)
             if v_scale_ref is not None:  # P V is linear in V: dequantize the sum
                 acc = acc * v_scale_ref[0]
             if sinks_ref is not None:  # one more logit per row, with no value row
-                sink = sinks_ref[head] * LOG2E
+                sink = per_row(sinks_ref, head0) * LOG2E
                 m_total = jnp.maximum(m, sink)
                 correction = jnp.exp2(m - m_total)
                 acc = acc * jax.lax.broadcast_in_dim(correction, acc.shape, [0])
                 m, l = m_total, l * correction + jnp.exp2(sink - m_total)
-            row_pos = row0_pos + plgpu.broadcasted_iota(jnp.int32, (MMA_ROWS,), 0,
-                                                        layout=row_layout)
+            row_pos = row0_pos + row_tokens((MMA_ROWS,), row_layout)
             has_keys = row_pos >= 0  # a row at position p >= 0 sees at least p itself
             ok = has_keys & divides(l)
             l_safe = jnp.where(ok, l, 1.0)
@@ -606,7 +646,7 @@ def _ragged_attention_kernel(
                 o_smem[c, part] = out[:, cols.start:cols.start + cols.size].astype(dtype)
             lse_smem[c] = jnp.where(has_keys, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
             plgpu.commit_smem()
-            write_rows(it, c, head, t0, queries)
+            write_rows(it, c, head0, t0, queries)
             plgpu.copy_smem_to_gmem(lse_smem.at[c], lse_ref.at[it.w, c])
             plgpu.wait_smem_to_gmem(0)
             if programs is not None:
@@ -620,21 +660,24 @@ def _ragged_attention_kernel(
             def _copy():
                 copy_queries(item_of_cta(j), c)
 
-        def write_rows(it, c, head, t0, queries):
-            """Rows ``[delta, delta + queries)`` of consumer ``c``'s staged output to tokens
-            ``t0 ..`` of head ``head``, ``delta = t0 - t0_load``, in boxes of 64, 32, ..., 1."""
+        def write_rows(it, c, head0, t0, queries):
+            """Each head's tokens ``[delta, delta + queries)`` of consumer ``c``'s staged output
+            to tokens ``t0 ..`` of heads ``head0 ..``, ``delta = t0 - t0_load``, in boxes of
+            ``head_tokens``, ..., 2, 1 tokens."""
             _, _, _, t0_load, _ = consumer_rows(it, c)
             delta = t0 - t0_load
             done = jnp.int32(0)
-            size = MMA_ROWS
+            size = head_tokens
             while size >= 1:
                 take = (queries & size) != 0
 
                 @pl.when(take)
                 def _store(size=size, done=done):
-                    for part, cols in enumerate(column_parts):
-                        plgpu.copy_smem_to_gmem(o_smem.at[c, part, pl.ds(delta + done, size)],
-                                                out_ref.at[pl.ds(t0 + done, size), head, cols])
+                    for k in range(pack):
+                        for part, cols in enumerate(column_parts):
+                            plgpu.copy_smem_to_gmem(
+                                o_smem.at[c, part, head_rows(k, delta + done, size)],
+                                out_ref.at[pl.ds(t0 + done, size), head0 + k, cols])
 
                 done = done + jnp.where(take, size, 0)
                 size //= 2
@@ -655,7 +698,7 @@ def _ragged_attention_kernel(
         plgpu.SMEM((c_count, head_dim // width, MMA_ROWS, width), dtype),
         plgpu.SMEM((c_count, MMA_ROWS), jnp.float32),
         *[mma_smem(plgpu, (num_stages, block_kv, head_dim), dtype) if converts else None] * 2,
-        plgpu.Barrier(num_arrivals=head_dim // width, num_barriers=c_count),
+        plgpu.Barrier(num_arrivals=head_dim // width * pack, num_barriers=c_count),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=c_count, num_barriers=num_stages),
@@ -666,18 +709,20 @@ def _ragged_attention_kernel(
 
 
 def gather_lse(lse_tiles, work, starts, *, num_tokens: int, num_heads: int, group: int,
-               num_consumers: int, padded_tokens: int, skip=None):
+               num_consumers: int, pack: int, padded_tokens: int, skip=None):
     """Each token's lse from the consumers' rows ``lse_tiles f32[CTAs, C, 64]`` (XLA, after the
     kernel): token ``t`` of sequence ``b`` lies in tile ``(t - starts[b]) // tokens``, whose rank
-    in the work list gives its CTAs, and in row ``t - t0_load`` of its consumer's tile. Rows of
-    sequences ``skip`` left out of the work list get meaningless values.
+    in the work list gives its CTAs, and for the ``k``-th head of its consumer's pack in row
+    ``k * 64 / pack + t - t0_load`` of the consumer's tile. Rows of sequences ``skip`` left out
+    of the work list get meaningless values.
 
     Returns:
       ``f32[num_tokens, num_heads]``.
     """
-    heads = heads_per_cta(group, num_consumers)
-    tokens = tokens_per_cta(group, num_consumers)
-    head_blocks = group // heads
+    packs = packs_per_cta(group, num_consumers, pack)
+    tokens = tokens_per_cta(group, num_consumers, pack)
+    head_tokens = MMA_ROWS // pack
+    head_blocks = group // (packs * pack)
     kvh = num_heads // group
     batch = starts.shape[0] - 1
     _, tiles = query_tiles(starts, num_tokens=num_tokens, tokens=tokens, skip=skip)
@@ -692,15 +737,17 @@ def gather_lse(lse_tiles, work, starts, *, num_tokens: int, num_heads: int, grou
     b = jnp.clip(b, 0, batch)  # rows past starts[batch] belong to the padding pseudo-sequence
     offset = t - starts[b]
     tile = offset // tokens
-    sub = (offset % tokens) // MMA_ROWS
+    sub = (offset % tokens) // head_tokens
     rank = rank_of[tile_start[b] + tile]                      # i32[T]
-    t0 = starts[b] + tile * tokens + sub * MMA_ROWS
-    row = t - jnp.clip(t0, 0, padded_tokens - MMA_ROWS)
+    t0 = starts[b] + tile * tokens + sub * head_tokens
+    token_row = t - jnp.clip(t0, 0, padded_tokens - head_tokens)
     head = jnp.arange(num_heads, dtype=jnp.int32)
     h, g = head // group, head % group
-    cta = (rank[:, None] * kvh + h[None, :]) * head_blocks + (g // heads)[None, :]
-    c = sub[:, None] * heads + (g % heads)[None, :]
-    return lse_tiles[cta, c, row[:, None]]
+    pack_index, k = g // pack, g % pack                       # the head's pack, its place in it
+    cta = (rank[:, None] * kvh + h[None, :]) * head_blocks + (pack_index // packs)[None, :]
+    c = sub[:, None] * packs + (pack_index % packs)[None, :]
+    row = k[None, :] * head_tokens + token_row[:, None]
+    return lse_tiles[cta, c, row]
 
 
 def paged_attention_mosaic(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *,
@@ -725,8 +772,9 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, context_lens, quer
     group = num_heads // kvh
     batch = block_tables.shape[0]
     consumers = config.num_consumers
-    tokens = tokens_per_cta(group, consumers)
-    head_blocks = group // heads_per_cta(group, consumers)
+    pack = config.pack_heads
+    tokens = tokens_per_cta(group, consumers, pack)
+    head_blocks = group // (packs_per_cta(group, consumers, pack) * pack)
     work_tiles = num_work_tiles(num_tokens, batch, tokens)
     starts = query_start_loc.astype(jnp.int32)
     lens = context_lens.astype(jnp.int32)
@@ -753,7 +801,7 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, context_lens, quer
         _ragged_attention_kernel, plgpu=plgpu, scale=scale, group=group, num_tokens=num_tokens,
         block_kv=config.block_kv, num_stages=config.num_stages, num_consumers=consumers,
         ping_pong=ping_pong, soft_cap=logits_soft_cap, window=sliding_window, fused=fused,
-        programs=programs)
+        programs=programs, pack=pack)
     k_scale_operand, v_scale_operand = kernel_scale_operands(k_scale, v_scale)
     kernel_body, optional = with_optional_operands(body, 7, {
         "alibi": None if alibi_slopes is None else alibi_slopes.astype(jnp.float32),
@@ -764,7 +812,8 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, context_lens, quer
     name = (f"{KERNEL_NAME}_bkv{config.block_kv}_st{config.num_stages}_c{consumers}"
             f"_g{group}_d{head_dim}_bs{k_cache.shape[1]}" + ("_pp" if ping_pong else "")
             + ("_fp8" if jnp.dtype(k_cache.dtype) == FP8 else "")
-            + (f"_persistent{programs}" if programs else "") + ("_fused" if fused else ""))
+            + (f"_persistent{programs}" if programs else "") + ("_fused" if fused else "")
+            + (f"_pack{pack}" if pack > 1 else ""))
     out, lse_tiles = plgpu.kernel(
         kernel_body,
         out_type=(jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), q.dtype),
@@ -778,7 +827,8 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, context_lens, quer
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(work, starts, lens, block_tables.astype(jnp.int32), q_in, k_cache, v_cache, *optional)
     lse = gather_lse(lse_tiles, work, starts, num_tokens=num_tokens, num_heads=num_heads,
-                     group=group, num_consumers=consumers, padded_tokens=q_in.shape[0],
+                     group=group, num_consumers=consumers, pack=pack,
+                     padded_tokens=q_in.shape[0],
                      skip=decodes)
     if decodes is not None:  # the decode kernel's rows in place of rows no CTA wrote
         target = jnp.where(decodes, rows, num_tokens)

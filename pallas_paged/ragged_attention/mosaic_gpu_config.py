@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_paged._platform import next_power_of_2
 from pallas_paged.ragged_attention.shape import AttentionShape, shape_class
+
+
+MMA_ROWS = 64  # a consumer's query rows: wgmma's M
+PACKS = (1, 2, 4, 8, 16, 32, 64)  # `MosaicAttentionConfig.pack_heads`: divisors of wgmma's M
+PACK_BELOW = 16  # the heuristic packs heads where sequences average at most this many new tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,10 +24,11 @@ class MosaicAttentionConfig:
       block_kv: K/V tokens per tile, 64 or 128 (the N of the ``Q K^T`` wgmma, the K of ``P V``):
         ``block_kv / block_size`` whole pages, one TMA copy each, or one slice of a larger page.
       num_stages: shared-memory stages of the producer's TMA ring, >= 2.
-      num_consumers: consumer warpgroups per CTA, 1 or 2, each on a query tile of 64 rows (one
-        query head's 64 tokens). With 2, the CTA's consumers take two heads of one kv head
-        (groups of even size) or, for odd groups, two consecutive 64-token tiles of one head;
-        they share every K/V tile the producer brings in.
+      num_consumers: consumer warpgroups per CTA, 1 or 2, each on a query tile of 64 rows
+        (``pack_heads`` query heads' ``64 / pack_heads`` tokens). With 2, the CTA's consumers
+        take two packs of heads of one kv head (where the group holds an even number of packs)
+        or else two consecutive token tiles of one pack; they share every K/V tile the producer
+        brings in.
       ping_pong: with 2 consumers, a schedule barrier orders their wgmmas so that one's softmax
         runs while the other's products occupy the tensor cores (FlashAttention-3's
         inter-warpgroup overlap).
@@ -32,6 +39,11 @@ class MosaicAttentionConfig:
       persistent: as many CTAs as stay resident on the device's multiprocessors, each walking
         several work items (the longest first, dealt in snake order), the next item's K/V
         tiles streaming in while the current one's output goes out; else one CTA per item.
+      pack_heads: query heads of one kv head that share a consumer's 64 wgmma rows, each with
+        ``64 / pack_heads`` consecutive tokens (1, 2, 4, 8, 16, 32 or 64, dividing the GQA
+        group). 1: a consumer's rows are 64 tokens of one head. More: a sequence with few new
+        tokens (speculative steps, decodes) fills the rows with the group's heads instead of
+        padding, so each K/V tile's products serve the whole pack.
     """
 
     block_kv: int = 128
@@ -40,9 +52,10 @@ class MosaicAttentionConfig:
     ping_pong: bool = True
     decode_rows: bool = False
     persistent: bool = False
+    pack_heads: int = 1
 
     def __post_init__(self):
-        for name in ("block_kv", "num_stages", "num_consumers"):
+        for name in ("block_kv", "num_stages", "num_consumers", "pack_heads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MosaicAttentionConfig.{name}={value!r} must be a positive int")
@@ -57,6 +70,20 @@ class MosaicAttentionConfig:
         if self.num_consumers not in (1, 2):
             raise ValueError(
                 f"MosaicAttentionConfig.num_consumers={self.num_consumers} must be 1 or 2")
+        if self.pack_heads not in PACKS:
+            raise ValueError(f"MosaicAttentionConfig.pack_heads={self.pack_heads} must be one of"
+                             f" {PACKS}")
+
+
+def packed_heads(shape: AttentionShape) -> int:
+    """The query heads the heuristic packs into a consumer's rows: where the sequences bring at
+    most `PACK_BELOW` new tokens on average (speculative steps, decodes), the most heads of the
+    group (a power of two dividing it) whose tokens fit 64 rows; else 1."""
+    per_sequence = -(-shape.num_tokens // shape.batch)
+    if per_sequence > PACK_BELOW:
+        return 1
+    fits = MMA_ROWS // next_power_of_2(per_sequence)
+    return max(p for p in PACKS if shape.group % p == 0 and p <= fits)
 
 
 def get_mosaic_heuristic_config(shape: AttentionShape) -> MosaicAttentionConfig:
@@ -66,12 +93,27 @@ def get_mosaic_heuristic_config(shape: AttentionShape) -> MosaicAttentionConfig:
     structure of FlashAttention-3's forward kernel); past it, one consumer on 64-token tiles, so
     that the queries, the ring and the output's staging fit one CTA's shared memory. fp8 caches
     add a ring of the tiles converted to the query's dtype: 64-token tiles.
+
+    Short sequences (`packed_heads`) pack the group's heads into each consumer's rows instead
+    of padding 64-token tiles; where that leaves one pack per kv head, one consumer (a second
+    would take an empty token tile) on 64-token tiles in three stages up to head_dim 128.
     """
     if shape.head_dim > 128:
-        return MosaicAttentionConfig(block_kv=64, num_stages=2, num_consumers=1, ping_pong=False)
-    if shape.cache_dtype == "float8_e4m3fn":
-        return MosaicAttentionConfig(block_kv=64)
-    return MosaicAttentionConfig()
+        config = MosaicAttentionConfig(block_kv=64, num_stages=2, num_consumers=1,
+                                       ping_pong=False)
+    elif shape.cache_dtype == "float8_e4m3fn":
+        config = MosaicAttentionConfig(block_kv=64)
+    else:
+        config = MosaicAttentionConfig()
+    pack = packed_heads(shape)
+    if pack == 1:
+        return config
+    if (shape.group // pack) % config.num_consumers == 0:  # a pack per consumer
+        return dataclasses.replace(config, pack_heads=pack)
+    if shape.head_dim > 128:
+        return dataclasses.replace(config, pack_heads=pack)
+    return MosaicAttentionConfig(block_kv=64, num_stages=3, num_consumers=1, ping_pong=False,
+                                 pack_heads=pack)
 
 
 # device kind -> shape class (`shape_class`) -> config; only classes where a measured config beat
