@@ -183,7 +183,7 @@ def impls_per_case(selected, impls: tuple[str, ...], interpret: bool) -> dict[st
         raise UsageError(f"--impl mosaic cannot run here, so impl=mosaic takes none of the"
                          f" selected cases: {anywhere}")
     for case in selected:
-        why = anywhere or mosaic_refusal(case)
+        why = anywhere or mosaic_refusal(case, interpret)
         if why is not None:
             print(f"parity: {case.name} left out for impl=mosaic: {why}", file=sys.stderr)
             case_impls[case.name] = tuple(i for i in impls if i != "mosaic")

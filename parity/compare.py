@@ -371,13 +371,15 @@ def case_outputs(case: Case, device: str = "cpu", *, impls: Sequence[str] = IMPL
 # ------------------------------------------------------------------------------------------------
 # Judging.
 
-def mosaic_refusal(case: Case) -> str | None:
-    """Why ``impl="mosaic"`` cannot run ``case`` (its ValueError), or None when it can.
+def mosaic_refusal(case: Case, interpret: bool) -> str | None:
+    """Why ``impl="mosaic"`` cannot run ``case`` in the sweep's mode (its ValueError), or None
+    when it can.
 
     The Mosaic GPU kernels take bf16/fp16 queries, head_dim 64, 128, 192 or 256 (the ragged one:
-    fp8 caches up to 192) and block sizes that are multiples of 8. A sweep with ``--impl
-    mosaic`` runs the cases they take. Only the shapes and dtypes matter (the token count of a
-    ragged case does not change the answer: one token stands for it).
+    fp8 caches up to 192) and block sizes that are multiples of 8; interpreted, the ragged one
+    needs jax >= 0.12. A sweep with ``--impl mosaic`` runs the cases they take. Only the shapes
+    and dtypes matter (the token count of a ragged case does not change the answer: one token
+    stands for it). The device itself is checked once per sweep (`mosaic_unavailable`).
     """
     import jax
     from pallas_paged.decode_attention.api import select_kernel as select_decode
@@ -389,8 +391,8 @@ def mosaic_refusal(case: Case) -> str | None:
                                  case.dtype)
     tables = jax.ShapeDtypeStruct((case.batch, case.table_width), "int32")
     select = select_ragged if case.ragged else select_decode
-    try:  # interpret=True: no device check here
-        select(q, cache, tables, impl="mosaic", config=None, interpret=True)
+    try:
+        select(q, cache, tables, impl="mosaic", config=None, interpret=interpret)
     except ValueError as e:
         return str(e)
     return None

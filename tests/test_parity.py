@@ -738,6 +738,22 @@ def test_impl_mosaic_runs_the_cases_its_kernel_takes(capsys):
     assert "block_size a multiple of 8" in captured.err
 
 
+def test_mosaic_refusal_follows_the_sweeps_mode(monkeypatch):
+    """A jax whose Mosaic GPU interpreter cannot run the ragged kernel (0.11) leaves the ragged
+    cases out of an interpreted sweep only: compiled on a GPU with that jax they run."""
+    from parity.compare import mosaic_refusal
+    from pallas_paged.ragged_attention import mosaic_gpu as ragged_mosaic
+
+    monkeypatch.setattr(ragged_mosaic, "jax_version", lambda: (0, 11, 2))
+    monkeypatch.setattr(ragged_mosaic, "check_device", lambda interpret: None)
+    [case] = [c for c in cases.suite("full")
+              if c.name == "gqa4_h32_d128_bs16_bf16_b32_ctx4096_ragged_spec4"]
+    assert "needs jax >= 0.12.0" in mosaic_refusal(case, interpret=True)
+    assert mosaic_refusal(case, interpret=False) is None
+    fp32 = dataclasses.replace(case, dtype="float32")
+    assert "bf16 or fp16 queries" in mosaic_refusal(fp32, interpret=False)
+
+
 @pytest.mark.slow
 def test_impl_mosaic_beside_others_keeps_every_case_for_them(tmp_path, capsys):
     """``--impl pallas --impl mosaic``: a case the Mosaic kernel refuses still runs for pallas

@@ -358,7 +358,7 @@ def test_decode_rows_refused_where_the_decode_kernel_refuses(rng):
                           block_size=16, dtype="bfloat16")
     with pytest.raises(ValueError, match=r"decode_rows=True needs the Mosaic decode kernel.*up"
                                          r" to 64 query heads.*decode_rows=False"):
-        pp.paged_attention(*problem.jax(), impl="mosaic", interpret=True, config=DECODE_ROWS)
+        pp.paged_attention(*problem.jax(), impl="mosaic", config=DECODE_ROWS)
 
 
 # --- refusals ------------------------------------------------------------------------------------

@@ -34,6 +34,10 @@ DECODE_IMPLS = ("auto", "pallas", "xla", "mosaic")
 # device kind -> shape class (`shape_class`) -> the kernel ``impl="auto"`` runs there: the one that
 # measured faster (`python -m benchmarks.decode --impls pallas,mosaic`); "pallas" elsewhere.
 IMPL_CHOICE: dict[str, dict[tuple, str]] = {
+    "NVIDIA H100 80GB HBM3": {
+        ("bfloat16", 128, 4, 16, 32, 4096): "mosaic",
+        ("float16", 128, 4, 16, 32, 4096): "mosaic",
+    },
     "NVIDIA H200": {
         ("bfloat16", 64, 4, 16, 32, 4096): "mosaic",
         ("bfloat16", 256, 4, 16, 32, 4096): "mosaic",

@@ -34,7 +34,15 @@ ATTENTION_IMPLS = ("auto", "pallas", "xla", "mosaic")
 
 # device kind -> shape class (`shape_class`) -> the kernel ``impl="auto"`` runs there: the one that
 # measured faster (`python -m benchmarks.ragged --impls pallas,mosaic`); "pallas" elsewhere.
-IMPL_CHOICE: dict[str, dict[tuple, str]] = {}
+IMPL_CHOICE: dict[str, dict[tuple, str]] = {
+    # (cache dtype, head_dim, group, block_size, batch, num_tokens, capacity): the kernel
+    "NVIDIA H100 80GB HBM3": {
+        ("bfloat16", 128, 4, 16, 4, 8192, 2048): "mosaic",     # prefill
+        ("bfloat16", 128, 4, 16, 1, 2048, 32768): "mosaic",    # a chunk over a long cache
+        ("bfloat16", 128, 4, 16, 32, 128, 4096): "mosaic",     # speculative steps
+        ("bfloat16", 128, 4, 16, 32, 32, 4096): "mosaic",      # decodes
+    },
+}
 
 
 def attention_shape(q, k_cache, block_tables) -> AttentionShape:
