@@ -18,7 +18,9 @@
 #                                      # machine's cores compile in parallel; logs <step>-<i>.txt
 #   ARCHIVE=logs.tar.gz ...            # at the end, pack every file of <dir> into that one file
 # The GPU tests and the full parity suite take minutes per shard: run the two steps in separate
-# calls where a call is limited in time.
+# calls where a call is limited in time. A step past its timeout gets SIGINT (pytest still prints
+# its summary: the failures so far), then SIGKILL 30 s later. The tests marked `huge` (caches of
+# GBs) all run in test shard 0, one after the other.
 set -u
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-run-$(date -u +%Y%m%dT%H%M%SZ)}}"
@@ -38,7 +40,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...
   shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   echo "=== $name: $*" | tee "$out/$name.txt"
-  timeout "$limit" "$@" >> "$out/$name.txt" 2>&1
+  timeout -s INT -k 30 "$limit" "$@" >> "$out/$name.txt" 2>&1
   rc=$?
   tail -n 6 "$out/$name.txt"
   echo "=== $name: exit $rc after $((SECONDS - start)) s (log $out/$name.txt)"
@@ -57,7 +59,7 @@ shards() {  # shards NAME TIMEOUT_S COUNT COMMAND_OF_SHARD: COUNT processes at o
     local cmd
     cmd=$($make "$i" "$count" | tr '\n' ' ')
     # shellcheck disable=SC2086  # the shard's command splits into words on purpose
-    { echo "=== $name-$i: $cmd"; timeout "$limit" $cmd; } > "$out/$name-$i.txt" 2>&1 &
+    { echo "=== $name-$i: $cmd"; timeout -s INT -k 30 "$limit" $cmd; } > "$out/$name-$i.txt" 2>&1 &
     pids+=($!)
   done
   rc=0

@@ -39,7 +39,9 @@ def pytest_addoption(parser):
 
 def _shard(config, items):
     """Keep items ``i, i + n, ...`` of ``--shard i/n`` (after ``-m``/``-k`` deselection, so the
-    selected tests are dealt evenly, a long parametrized test across every shard)."""
+    selected tests are dealt evenly, a long parametrized test across every shard); the tests
+    marked ``huge`` all in shard 0, in their order (they share caches of GBs on the device, and
+    several processes building them at once run a GPU out of memory)."""
     spec = config.getoption("--shard")
     if spec is None:
         return
@@ -49,9 +51,13 @@ def _shard(config, items):
         raise pytest.UsageError(f"--shard takes I/N, got {spec!r}") from None
     if not 0 <= index < count:
         raise pytest.UsageError(f"--shard {spec!r}: I must be in [0, N)")
-    kept = [item for i, item in enumerate(items) if i % count == index]
-    config.hook.pytest_deselected(items=[item for i, item in enumerate(items)
-                                         if i % count != index])
+    huge = [item for item in items if item.get_closest_marker("huge")]
+    rest = [item for item in items if not item.get_closest_marker("huge")]
+    kept = [item for i, item in enumerate(rest) if i % count == index]
+    if index == 0:
+        kept = huge + kept
+    kept_ids = {id(item) for item in kept}
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept_ids])
     items[:] = kept
 
 

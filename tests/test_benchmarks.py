@@ -921,3 +921,27 @@ def test_program_timeline_smoke_wraps_the_kernel_unchanged(tmp_path):
     for refused in (DecodeConfig(num_splits=2), DecodeConfig(persistent_programs=4)):
         with pytest.raises(ValueError, match="config="):
             ptl.timed_decode(*inputs.args(0), config=refused, interpret=True)
+
+
+
+def test_shards_partition_the_tests_and_keep_the_huge_ones_together():
+    """``--shard i/n`` (benchmarks/gpu_run.sh's processes): every test in exactly one shard,
+    dealt in turn, and the ``huge`` ones, which share GBs of caches in order, all in shard 0."""
+    import types
+
+    import conftest
+
+    def item(name, huge=False):
+        return types.SimpleNamespace(name=name, get_closest_marker=lambda m: huge and m == "huge")
+
+    tests = [item(f"t{i}", huge=i in (2, 5, 6)) for i in range(11)]
+    shards, dropped = [], []
+    for index in range(3):
+        config = types.SimpleNamespace(
+            getoption=lambda _, index=index: f"{index}/3",
+            hook=types.SimpleNamespace(pytest_deselected=lambda items: dropped.append(items)))
+        items = list(tests)
+        conftest._shard(config, items)
+        shards.append([t.name for t in items])
+        assert len(dropped[-1]) + len(items) == len(tests)
+    assert shards == [["t2", "t5", "t6", "t0", "t4", "t9"], ["t1", "t7", "t10"], ["t3", "t8"]]

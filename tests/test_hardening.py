@@ -871,6 +871,7 @@ def _uint(dtype):
     return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(dtype).itemsize]
 
 
+@pytest.mark.huge
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", HUGE_WRITES, ids=lambda i: i or "default")
 def test_huge_write(huge, impl):
@@ -908,6 +909,7 @@ def test_huge_write(huge, impl):
         assert not differ.any(), f"{name}_cache: wrong bits at slots {real[differ].tolist()}"
 
 
+@pytest.mark.huge
 @pytest.mark.gpu
 @pytest.mark.parametrize("run", HUGE_DECODES, ids=gpu_run_id)
 def test_huge_decode(huge, run):
