@@ -24,9 +24,10 @@ later (``plgpu.kernel``). Read top to bottom (the public function is
      consecutive token tiles of one pack: either way they attend the same K/V tiles and share
      every stage of the ring.
    - The producer copies each consumer's query tile by TMA (a strided box ``q[t0:t0+64, head]``
-     per head of the pack), then walks the CTA's K/V tiles: ``block_kv`` tokens, ``block_kv / block_size`` whole pages,
-     one TMA copy each, the block ids read from the table in GMEM, into a ring of ``num_stages``
-     shared-memory stages; it refills a stage once every consumer has freed it.
+     per head of the pack), then walks the CTA's K/V tiles: ``block_kv`` tokens, ``block_kv /
+     block_size`` whole pages, one TMA copy each, the block ids read from the table in GMEM,
+     into a ring of ``num_stages`` shared-memory stages; it refills a stage once every consumer
+     has freed it.
    - fp8 caches: the first consumer converts each stage's K and V tiles to the query's dtype
      (exact) into a second ring, for both consumers; ``k_scale`` joins the scores' scale and
      ``v_scale`` the sum before its normalization.
