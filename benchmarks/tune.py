@@ -183,13 +183,12 @@ def ragged_mosaic_candidates(shape, heuristic, ranked, sms) -> list:
     configs += [dataclasses.replace(c, persistent=True) for c in ping_pong]
     if any(q_len == 1 for _, q_len, _ in shape.seqs):
         configs += [dataclasses.replace(c, decode_rows=True) for c in ping_pong]
-    short = [q_len for _, q_len, _ in shape.seqs if 0 < q_len <= 16]
+    short = [q_len for _, q_len, _ in shape.seqs if 0 < q_len <= ragged_mosaic_config.PACK_BELOW]
     q, k_cache = shape.abstract_args()[:2]
     group = q.shape[1] // k_cache.shape[2]
-    fits = [p for p in ragged_mosaic_config.PACKS[1:]
-            if short and p <= 64 // next_power_of_2(max(short)) and group % p == 0]
-    if fits:
-        configs += [dataclasses.replace(c, pack_heads=max(fits)) for c in ping_pong + one]
+    pack = ragged_mosaic_config.largest_pack(group, max(short)) if short else 1
+    if pack > 1:
+        configs += [dataclasses.replace(c, pack_heads=pack) for c in ping_pong + one]
     return [c for c in configs if _takes(shape, c)]
 
 

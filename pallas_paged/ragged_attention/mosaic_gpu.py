@@ -96,11 +96,10 @@ from pallas_paged._mosaic_common import (MAX_SMEM_BYTES, PRODUCER_REGISTERS, all
                                          mma_smem,
                                          persistent_programs, tile_block_ids,
                                          with_optional_operands)
-from pallas_paged.ragged_attention.mosaic_gpu_config import MosaicAttentionConfig
+from pallas_paged.ragged_attention.mosaic_gpu_config import MMA_ROWS, MosaicAttentionConfig
 from pallas_paged.ragged_attention.tiles import kv_tile_plan
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
-MMA_ROWS = 64  # a consumer's query tile: wgmma's M, 64 tokens of one query head
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
 KERNEL_NAME = "pallas_paged_ragged_mosaic"
 LOG2E = math.log2(math.e)

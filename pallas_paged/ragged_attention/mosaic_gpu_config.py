@@ -75,15 +75,19 @@ class MosaicAttentionConfig:
                              f" {PACKS}")
 
 
+def largest_pack(group: int, tokens: int) -> int:
+    """The most query heads of a group of ``group`` (a power of two dividing it) whose
+    ``tokens`` new tokens each fit a consumer's 64 rows."""
+    fits = MMA_ROWS // next_power_of_2(tokens)
+    return max(p for p in PACKS if group % p == 0 and p <= fits)
+
+
 def packed_heads(shape: AttentionShape) -> int:
     """The query heads the heuristic packs into a consumer's rows: where the sequences bring at
-    most `PACK_BELOW` new tokens on average (speculative steps, decodes), the most heads of the
-    group (a power of two dividing it) whose tokens fit 64 rows; else 1."""
+    most `PACK_BELOW` new tokens on average (speculative steps, decodes), `largest_pack`; else
+    1."""
     per_sequence = -(-shape.num_tokens // shape.batch)
-    if per_sequence > PACK_BELOW:
-        return 1
-    fits = MMA_ROWS // next_power_of_2(per_sequence)
-    return max(p for p in PACKS if shape.group % p == 0 and p <= fits)
+    return 1 if per_sequence > PACK_BELOW else largest_pack(shape.group, per_sequence)
 
 
 def get_mosaic_heuristic_config(shape: AttentionShape) -> MosaicAttentionConfig:
