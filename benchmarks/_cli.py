@@ -214,12 +214,12 @@ def exit_status(rows: list[dict]) -> int:
 IMPL_MARGIN = 1.02  # an IMPL_CHOICE entry: Mosaic at least this much faster on every shape
 
 
-def auto_choice(shapes, rows: list[dict], interpret: bool, *, select, key, counts) -> tuple:
+def auto_choice(shapes, rows: list[dict], interpret: bool, *, select, key) -> tuple:
     """Per shape, the kernel ``impl="auto"`` picks now (``select(shape)``: ``(impl, config)``)
     and this run's Triton time over the Mosaic one; and the ``IMPL_CHOICE`` entries the run
     supports: ``"mosaic"`` for each shape class (``key(shape)``) where that ratio is at least
-    `IMPL_MARGIN` on every shape of the class that ``counts(shape)``; none in interpret mode
-    (its times say nothing). Returns ``(picks, choice)``."""
+    `IMPL_MARGIN` on every shape of the class; none in interpret mode (its times say nothing).
+    Returns ``(picks, choice)``."""
     picks, ratios = [], {}
     for shape in shapes:
         impl, config = select(shape)
@@ -228,7 +228,7 @@ def auto_choice(shapes, rows: list[dict], interpret: bool, *, select, key, count
         ratio = times["pallas"] / times["mosaic"] if {"pallas", "mosaic"} <= times.keys() else None
         picks.append({"shape": shape.name, "class": key(shape), "auto": impl,
                       "config": config_label(config), "pallas_over_mosaic": ratio})
-        if ratio is not None and counts(shape):
+        if ratio is not None:
             ratios.setdefault(key(shape), []).append(ratio)
     choice = {k: "mosaic" for k, found in ratios.items()
               if min(found) >= IMPL_MARGIN and not interpret}

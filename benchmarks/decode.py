@@ -139,7 +139,8 @@ def bench_shape(shape, impls, s, interpret: bool, copy_tbps: float, smoke: bool)
         if impl.removesuffix("_fused") in ("pallas", "mosaic"):
             try:
                 _, config = select_kernel(*shape.abstract_args(), impl=impl.removesuffix("_fused"),
-                                          config=None, interpret=interpret)
+                                          config=None, interpret=interpret,
+                                          sliding_window=shape.sliding_window)
             except ValueError as e:
                 row.update(status="skipped", reason=str(e))
             else:
@@ -171,18 +172,18 @@ def bench_shape(shape, impls, s, interpret: bool, copy_tbps: float, smoke: bool)
     return rows
 
 
-KEY_COMMENT = "(cache dtype, head_dim, group, block_size, batch, capacity)"
+KEY_COMMENT = "(cache dtype, head_dim, group, block_size, batch, span)"
 
 
 def auto_choice(shapes, rows: list[dict], interpret: bool) -> tuple:
-    """`_cli.auto_choice` for decode shapes: a class has no window (it also covers full
-    attention), so windowed shapes do not decide."""
+    """`_cli.auto_choice` for decode shapes (a windowed shape's class is its span's)."""
     return _cli.auto_choice(
         shapes, rows, interpret,
         select=lambda shape: select_kernel(*shape.abstract_args(), impl="auto", config=None,
-                                           interpret=interpret),
-        key=lambda shape: shape_class(decode_shape(*shape.abstract_args())),
-        counts=lambda shape: shape.sliding_window is None)
+                                           interpret=interpret,
+                                           sliding_window=shape.sliding_window),
+        key=lambda shape: shape_class(decode_shape(*shape.abstract_args(),
+                                                   sliding_window=shape.sliding_window)))
 
 
 def main(argv=None) -> int:

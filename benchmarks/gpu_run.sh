@@ -15,7 +15,8 @@
 #   TESTS="tests/test_ragged.py" PARITY_ARGS="-k ragged" DECODE_ARGS="--shapes b1_ctx32768" ...
 #   TEST_SHARDS=4 PARITY_SHARDS=6 ...  # tests and parity in that many processes at once (the
 #                                      # tests dealt round-robin; both --shard i/N): the
-#                                      # machine's cores compile in parallel; logs <step>-<i>.txt
+#                                      # machine's cores compile in parallel; logs <step>-<i>.txt,
+#                                      # each test's time in tests-<i>.xml
 #   ARCHIVE=logs.tar.gz ...            # at the end, pack every file of <dir> into that one file
 # The GPU tests and the full parity suite take minutes per shard: run the two steps in separate
 # calls where a call is limited in time. A step past its timeout gets SIGINT (pytest still prints
@@ -71,7 +72,8 @@ shards() {  # shards NAME TIMEOUT_S COUNT COMMAND_OF_SHARD: COUNT processes at o
   [ "$rc" -eq 0 ] || status=1
 }
 test_shard() {  # the pytest command of shard $1 of $2: every $2-th selected test (--shard)
-  echo "$PY -m pytest -q -p no:cacheprovider -o addopts=-ra --shard $1/$2" $TESTS
+  echo "$PY -m pytest -q -p no:cacheprovider -o addopts=-ra --shard $1/$2" \
+    "--durations=15 --junitxml=$out/tests-$1.xml" $TESTS
 }
 parity_shard() {  # the parity command of shard $1 of $2, its BLAS threads its share of the cores
   local threads=$(( $(nproc) / $2 ))

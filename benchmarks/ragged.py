@@ -122,8 +122,7 @@ def main(argv=None) -> int:
         shapes, doc["rows"], interpret,
         select=lambda shape: select_kernel(*shape.abstract_args()[:3], impl="auto", config=None,
                                            interpret=interpret),
-        key=lambda shape: shape_class(attention_shape(*shape.abstract_args()[:3])),
-        counts=lambda shape: True)
+        key=lambda shape: shape_class(attention_shape(*shape.abstract_args()[:3])))
     doc.update(auto=picks, impl_choice={_cli.source(k): v for k, v in choice.items()})
     _cli.write_json(args.json, doc)
     print("\n" + _cli.table(doc["rows"], COLUMNS))

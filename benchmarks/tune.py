@@ -64,9 +64,9 @@ SMEM_BYTES = 220 * 1024  # decode candidates whose K/V tiles alone pass this are
 # (module, table, key fields): where each sweep's entries go
 TABLES = {
     ("decode", "pallas"): ("pallas_paged/decode_attention/pallas_triton_config.py", "TUNED",
-                           "cache dtype, head_dim, group, block_size, batch, capacity"),
+                           "cache dtype, head_dim, group, block_size, batch, span"),
     ("decode", "mosaic"): ("pallas_paged/decode_attention/mosaic_gpu_config.py", "MOSAIC_TUNED",
-                           "cache dtype, head_dim, group, block_size, batch, capacity"),
+                           "cache dtype, head_dim, group, block_size, batch, span"),
     ("ragged", "pallas"): ("pallas_paged/ragged_attention/pallas_triton_config.py", "TUNED",
                            "cache dtype, head_dim, group, block_size, batch, num_tokens,"
                            " capacity"),
@@ -172,7 +172,7 @@ def ragged_candidates(shape, heuristic, ranked, sms) -> list:
 
 def ragged_mosaic_candidates(shape, heuristic, ranked, sms) -> list:
     """64- and 128-token tiles x 2, 3 and 4 stages x two consumers with and without ping-pong,
-    and one: the configs the kernel takes for the shape (the rest are left out); the ping-pong
+    and one: the configs the kernel takes for the shape (the rest are left out); the two-consumer
     ones again on persistent CTAs; where the shape has one-token sequences, the ping-pong ones
     again with ``decode_rows``; where it has sequences of at most 16 new tokens, the ping-pong
     and one-consumer ones again with the most heads of the group whose tokens fit 64 rows in a
@@ -180,7 +180,7 @@ def ragged_mosaic_candidates(shape, heuristic, ranked, sms) -> list:
     configs = _ragged_mosaic_tiles(shape)
     ping_pong = [c for c in configs if c.ping_pong]
     one = [c for c in configs if c.num_consumers == 1]
-    configs += [dataclasses.replace(c, persistent=True) for c in ping_pong]
+    configs += [dataclasses.replace(c, persistent=True) for c in configs if c.num_consumers == 2]
     if any(q_len == 1 for _, q_len, _ in shape.seqs):
         configs += [dataclasses.replace(c, decode_rows=True) for c in ping_pong]
     short = [q_len for _, q_len, _ in shape.seqs if 0 < q_len <= ragged_mosaic_config.PACK_BELOW]
@@ -231,7 +231,7 @@ def facts(op: str, impl: str, shape) -> tuple:
                     ragged_mosaic_config.lookup_mosaic(found, kind))
         return (ragged_class(found), ragged_config.get_heuristic_config(found, sms),
                 ragged_config.lookup(found, kind, sms))
-    found = decode_shape(*shape.abstract_args())
+    found = decode_shape(*shape.abstract_args(), sliding_window=shape.sliding_window)
     if impl == "mosaic":
         return (decode_class(found), mosaic_gpu_config.get_mosaic_heuristic_config(found, sms),
                 mosaic_gpu_config.lookup_mosaic(found, kind, sms))

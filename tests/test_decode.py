@@ -9,6 +9,7 @@ The Mosaic GPU kernel (``impl="mosaic"``) has its own file, test_decode_mosaic.p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -751,6 +752,30 @@ def test_heuristic_configs_are_valid_and_never_split_short(cache_dtype, head_dim
     assert tile_bytes <= 64 * 1024  # K + V of one tile; rings hold one or two of them
     assert config.fp8_pairs == (cache_dtype == FP8)
     assert not config.fp8_v_at_load and not config.merge_in_kernel
+
+
+def test_a_window_is_looked_up_and_split_by_its_span():
+    """A sliding window's call is keyed and split by the tokens a query attends: a window of 1024
+    over 32K-token tables shares the class and the configs of 1024-token tables; a window at
+    least the capacity changes nothing."""
+    from pallas_paged.decode_attention import api, mosaic_gpu_config
+    from pallas_paged.decode_attention.shape import shape_class
+    full = _decode_shape(8, 32768, "bfloat16")
+    windowed = dataclasses.replace(full, window=1024)
+    short = _decode_shape(8, 1024, "bfloat16")
+    assert (full.span, windowed.span, short.span) == (32768, 1024, 1024)
+    assert shape_class(windowed) == shape_class(short) != shape_class(full)
+    assert dataclasses.replace(short, window=4096).span == 1024
+    for heuristic in (pp.get_heuristic_config, mosaic_gpu_config.get_mosaic_heuristic_config):
+        assert heuristic(windowed, 132) == heuristic(short, 132)
+    q = jax.ShapeDtypeStruct((8, 32, 128), jnp.bfloat16)
+    k_cache = jax.ShapeDtypeStruct((16384, 16, 8, 128), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((8, 2048), jnp.int32)
+    assert api.decode_shape(q, k_cache, tables, 1024) == windowed
+    picked = api.select_kernel(q, k_cache, tables, impl="pallas", config=None, interpret=True,
+                               sliding_window=1024)
+    assert picked == ("pallas", pp.get_heuristic_config(windowed, api.sm_count()))
+    assert picked[1].num_splits * 4 * picked[1].block_k <= 1024  # no split without 4 tiles
 
 
 def test_tuned_h200_fp8_entries_keep_the_pair_layout():

@@ -45,7 +45,8 @@ IMPL_CHOICE: dict[str, dict[tuple, str]] = {
 }
 
 
-def select_kernel(q, k_cache, block_tables, *, impl: str, config, interpret: bool):
+def select_kernel(q, k_cache, block_tables, *, impl: str, config, interpret: bool,
+                  sliding_window: int | None = None):
     """What a `decode` call runs: ``(impl, config)`` with ``impl`` one of ``"pallas"``,
     ``"mosaic"``, ``"xla"`` and ``config`` the kernel's config (None for ``"xla"``).
 
@@ -66,7 +67,7 @@ def select_kernel(q, k_cache, block_tables, *, impl: str, config, interpret: boo
     """
     if impl == "xla":
         return "xla", None
-    shape = decode_shape(q, k_cache, block_tables)
+    shape = decode_shape(q, k_cache, block_tables, sliding_window)
     kind = device_kind()
     if impl == "auto":
         impl, config = auto_kernel(
@@ -238,7 +239,7 @@ def _decode_call(q, caches: tuple, block_tables, context_lens, scale, *, logits_
         _validation.check_decode_values(k_half, block_tables, context_lens, k_scale, v_scale)
     interpret = resolve_interpret(interpret)
     impl, config = select_kernel(q, k_half, block_tables, impl=impl, config=config,
-                                 interpret=interpret)
+                                 interpret=interpret, sliding_window=sliding_window)
     if impl == "mosaic":
         warn_if_interpret_may_stall(interpret, 1 + config.num_consumers, fewer="num_consumers")
     num_blocks, block_size = k_half.shape[:2]

@@ -134,7 +134,7 @@ def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDeco
     # stages of 128 tokens at head_dim 256 do not fit in shared memory): 64 tokens, 2 stages.
     wide = shape.head_dim > 128
     block_k = 128 if not fp8 and not wide and (few_ctas or persistent) else 64
-    splits = max(1, min(splits, max(1, shape.capacity // (4 * block_k)), 256))
+    splits = max(1, min(splits, max(1, shape.span // (4 * block_k)), 256))
     num_stages = 2 if fp8 or wide or block_k == 128 else 3
     return MosaicDecodeConfig(block_k=block_k, num_splits=splits, num_stages=num_stages,
                               num_consumers=1, queries_in_n=True, fp8_k_in_registers=fp8,

@@ -118,7 +118,7 @@ def heuristic_splits(shape: DecodeShape, block_k: int, sm_count: int,
     programs = max(shape.batch * shape.num_kv_heads, 1)
     wanted = (programs_per_sm * sm_count) / programs
     splits = 1 << max(0, round(math.log2(wanted))) if wanted > 1 else 1
-    max_useful = max(1, shape.capacity // (4 * block_k))
+    max_useful = max(1, shape.span // (4 * block_k))
     return max(1, min(splits, max_useful, 256))
 
 
@@ -140,7 +140,7 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
     padded_dim = next_power_of_2(shape.head_dim)
     tile_bytes = WIDE_ROW_TILE_BYTES if (padded_dim > 128 and itemsize == 2) else K_TILE_BYTES
     block_k = max(16, min(128, tile_bytes // (padded_dim * itemsize)))
-    block_k = min(block_k, max(16, next_power_of_2(shape.capacity)))
+    block_k = min(block_k, max(16, next_power_of_2(shape.span)))
     num_warps = 4 if padded_dim <= 128 else 8
     splits = heuristic_splits(shape, block_k, sm_count, programs_per_sm=2 if fp8 else 4)
     programs = max(shape.batch * shape.num_kv_heads, 1) * splits
@@ -153,7 +153,7 @@ def get_heuristic_config(shape: DecodeShape, sm_count: int) -> DecodeConfig:
 
 
 # device kind -> shape class (`shape_class`: cache dtype, head_dim, group, block_size, batch,
-# capacity, each but the dtype and block_size rounded up to a power of two) -> config; only
+# span, each but the dtype and block_size rounded up to a power of two) -> config; only
 # classes where a measured config beat the heuristic (`python -m benchmarks.tune decode`).
 TUNED: dict[str, dict[tuple, DecodeConfig]] = {
     "NVIDIA H200": {
