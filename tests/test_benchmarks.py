@@ -820,6 +820,10 @@ def test_triton_sass_lowers_the_kernel_of_the_named_shape():
     ragged_config = triton_sass.kernel_config("mixed_4x512c2560_60dec4096", fields)
     head = triton_sass.triton_ir("mixed_4x512c2560_60dec4096", ragged_config).split("\n", 1)[0]
     assert "pallas_paged_ragged_bq16_sq4" in head
+    for name, fields in (("mixed_4x512c2560_60dec4096", {}), ("b32_ctx4096", {})):
+        head = triton_sass.triton_ir(name, triton_sass.kernel_config(name, fields),
+                                     fused=True).split("\n", 1)[0]
+        assert head.rstrip(" {").endswith("_fused"), head
     with pytest.raises(ValueError):
         triton_sass.parse_config("vl1", "mixed_4x512c2560_60dec4096")
 

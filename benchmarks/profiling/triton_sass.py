@@ -5,7 +5,7 @@ many programs a multiprocessor holds) before a GPU run times it.
     python -m benchmarks.profiling.triton_sass --shape fp8_b32_ctx4096
         [--config bk32/s4/w2/st2/vl1 ...] [--out DIR] [--top 25]
     python -m benchmarks.profiling.triton_sass --shape mixed_4x512c2560_60dec4096
-        [--config bq16/sq4/st3]
+        [--config bq16/sq4/st3] [--fused]
 
 A decode shape of `benchmarks.shapes` gives the decode kernel, a ragged one the ragged
 paged-attention kernel. The kernel is lowered as
@@ -89,23 +89,32 @@ def kernel_config(shape_name: str, overrides: dict):
         q, cache, tables, _, _ = ragged.abstract_args()
         base = ragged_config.lookup(attention_shape(q, cache, tables), *TARGET_DEVICE)
         return dataclasses.replace(base, **overrides)
-    found = decode_shape(*shape_by_name(shape_name).abstract_args())
+    shape = shape_by_name(shape_name)
+    found = decode_shape(*shape.abstract_args(), sliding_window=shape.sliding_window)
     return dataclasses.replace(pallas_triton_config.lookup(found, *TARGET_DEVICE), **overrides)
 
 
-def triton_ir(shape_name: str, config) -> str:
+def fused_cache(cache):
+    """The abstract fused cache ``[num_blocks, block_size, 2 * num_kv_heads, head_dim]`` of the
+    same blocks as the abstract K (or V) cache ``cache``."""
+    blocks, block_size, kvh, head_dim = cache.shape
+    return jax.ShapeDtypeStruct((blocks, block_size, 2 * kvh, head_dim), cache.dtype)
+
+
+def triton_ir(shape_name: str, config, fused: bool = False) -> str:
     """The Triton IR (text) of the kernel that ``decode(..., impl="pallas")`` (or, for a ragged
     shape, ``paged_attention``) lowers to for the named shape and ``config``, lowered for CUDA
-    without a GPU."""
+    without a GPU; ``fused``: over one fused cache (``decode_fused``, ``paged_attention_fused``)."""
     from jax._src.pallas.triton import pallas_call_registration as registration
     from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
     ragged = ragged_shape(shape_name)
     if ragged is not None:
         q, cache, tables, lens, starts = ragged.abstract_args()
-        fn = functools.partial(pp.paged_attention, impl="pallas", interpret=False,
-                               config=config, **ragged.scales)
-        args, prefix = (q, cache, cache, tables, lens, starts), "pallas_paged_ragged"
+        fn = functools.partial(pp.paged_attention_fused if fused else pp.paged_attention,
+                               impl="pallas", interpret=False, config=config, **ragged.scales)
+        caches = (fused_cache(cache),) if fused else (cache, cache)
+        args, prefix = (q, *caches, tables, lens, starts), "pallas_paged_ragged"
     else:
         shape = shape_by_name(shape_name)
         q, one_block, tables = shape.abstract_args()
@@ -113,9 +122,11 @@ def triton_ir(shape_name: str, config) -> str:
         cache = jax.ShapeDtypeStruct((shape.batch * shape.max_blocks,) + one_block.shape[1:],
                                      one_block.dtype)
         lens = jax.ShapeDtypeStruct((shape.batch,), jnp.int32)
-        fn = functools.partial(pp.decode, impl="pallas", interpret=False, config=config,
+        fn = functools.partial(pp.decode_fused if fused else pp.decode, impl="pallas",
+                               interpret=False, config=config,
                                sliding_window=shape.sliding_window, **shape.scales)
-        args, prefix = (q, cache, cache, tables, lens), "pallas_paged_decode"
+        caches = (fused_cache(cache),) if fused else (cache, cache)
+        args, prefix = (q, *caches, tables, lens), "pallas_paged_decode"
     modules = []
     lower = registration.lowering.lower_jaxpr_to_triton_module
 
@@ -271,6 +282,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", action="append",
                         help="bk<int>/s<int>/w<int>/st<int>/vl<0|1> (ragged: also bq, sq), any"
                              " subset; repeatable")
+    parser.add_argument("--fused", action="store_true",
+                        help="the kernel over one fused cache (decode_fused, paged_attention_fused)")
     parser.add_argument("--out", default=None, help="keep the IR, PTX, cubin and SASS here")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args(argv)
@@ -291,10 +304,11 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="triton_sass_") as scratch:
             out_dir = args.out or scratch
             os.makedirs(out_dir, exist_ok=True)
-            ir_text = triton_ir(args.shape, config)
+            ir_text = triton_ir(args.shape, config, args.fused)
             result = compile_sass(ir_text, config, out_dir)
         opcodes = result["opcodes"]
-        print(f"{args.shape} {config}: {sum(opcodes.values())} static instructions"
+        print(f"{args.shape}{' (fused)' if args.fused else ''} {config}:"
+              f" {sum(opcodes.values())} static instructions"
               + (f" (files in {args.out})" if args.out else ""))
         print(f"  {pipeline_summary(args.shape, config, result)}", flush=True)
         for op, count in opcodes.most_common(args.top):
