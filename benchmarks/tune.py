@@ -7,7 +7,7 @@
   around the heuristic's at K/V rings one and two tiles deep (and persistent programs); warps x
   stages x the fp8 operand paths at the best; the runners-up tiles with the best warps and
   stages. The table: ``TUNED`` of ``pallas_paged/decode_attention/pallas_triton_config.py``.
-  Shapes: `benchmarks.shapes.DECODE_SHAPES` without a window (a class covers every window).
+  Shapes: `benchmarks.shapes.DECODE_SHAPES` (a windowed one tunes the class of its span).
 - ``decode --impl mosaic``: `MosaicDecodeConfig` around the heuristic's (queries in N or M,
   consumers, splits, stages, tile size) that the kernel takes; ``MOSAIC_TUNED`` of
   ``mosaic_gpu_config.py``.
@@ -270,7 +270,7 @@ def tune_shape(op: str, impl: str, shape, s, interpret: bool, smoke: bool) -> di
             else:
                 def call(q, t, k, v, n, config=config):
                     return decode(q, k, v, t, n, impl=impl, config=config, interpret=interpret,
-                                  **shape.scales)
+                                  sliding_window=shape.sliding_window, **shape.scales)
             row = {"shape": shape.name, "impl": impl, "config": _cli.config_label(config)}
             row.update(_cli.checked_timing(straight_line(call, reps), (qs, tables, *shared),
                                            reps, s, reference))
@@ -400,8 +400,7 @@ def main(argv=None) -> int:
     if (args.op, args.impl) not in TABLES:
         p.error(f"{args.op} has no --impl {args.impl}")
     pool, smoke_pool = ((RAGGED_SHAPES, RAGGED_SMOKE) if args.op == "ragged" else
-                        tuple(tuple(x for x in shapes if x.sliding_window is None)
-                              for shapes in (DECODE_SHAPES, DECODE_SMOKE)))
+                        (DECODE_SHAPES, DECODE_SMOKE))
     shapes = _cli.pick_shapes(p, args.shapes, pool, smoke_pool, args.smoke)
     s, interpret = _cli.settings(args.smoke)
     doc = _cli.run_record("benchmarks.tune", argv, s, interpret)
