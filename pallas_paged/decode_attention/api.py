@@ -35,6 +35,8 @@ DECODE_IMPLS = ("auto", "pallas", "xla", "mosaic")
 # measured faster (`python -m benchmarks.decode --impls pallas,mosaic`); "pallas" elsewhere.
 IMPL_CHOICE: dict[str, dict[tuple, str]] = {
     "NVIDIA H100 80GB HBM3": {
+        ("bfloat16", 64, 4, 16, 32, 4096): "mosaic",
+        ("bfloat16", 128, 4, 16, 8, 1024): "mosaic",
         ("bfloat16", 128, 4, 16, 32, 4096): "mosaic",
         ("float16", 128, 4, 16, 32, 4096): "mosaic",
     },

@@ -143,7 +143,12 @@ def get_mosaic_heuristic_config(shape: DecodeShape, sm_count: int) -> MosaicDeco
 
 # device kind -> shape class (`shape_class`) -> config; only classes where a measured config beat
 # the heuristic (`python -m benchmarks.tune decode --impl mosaic`).
-MOSAIC_TUNED: dict[str, dict[tuple, MosaicDecodeConfig]] = {}
+MOSAIC_TUNED: dict[str, dict[tuple, MosaicDecodeConfig]] = {
+    "NVIDIA H100 80GB HBM3": {
+        ("bfloat16", 128, 4, 16, 8, 1024): MosaicDecodeConfig(
+            block_k=128, num_splits=1, num_stages=2, num_consumers=1, queries_in_n=True),
+    },
+}
 
 
 def lookup_mosaic(shape: DecodeShape, device_kind: str, sm_count: int) -> MosaicDecodeConfig:

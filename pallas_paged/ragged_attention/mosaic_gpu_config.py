@@ -125,7 +125,8 @@ def get_mosaic_heuristic_config(shape: AttentionShape) -> MosaicAttentionConfig:
 MOSAIC_TUNED: dict[str, dict[tuple, MosaicAttentionConfig]] = {
     "NVIDIA H100 80GB HBM3": {
         ("bfloat16", 128, 4, 16, 4, 8192, 2048): MosaicAttentionConfig(
-            block_kv=64, num_stages=2, num_consumers=2, ping_pong=False, pack_heads=1),
+            block_kv=64, num_stages=2, num_consumers=2, ping_pong=False, persistent=True,
+            pack_heads=1),
         ("bfloat16", 128, 4, 16, 64, 4096, 4096): MosaicAttentionConfig(
             block_kv=128, num_stages=2, num_consumers=2, decode_rows=True, pack_heads=1),
     },
