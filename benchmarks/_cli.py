@@ -271,7 +271,7 @@ LABEL_PARTS = {
                       "w": "num_warps", "st": "num_stages", "pr": "fp8_pairs"},
     MosaicAttentionConfig: {"bkv": "block_kv", "st": "num_stages", "c": "num_consumers",
                             "pp": "ping_pong", "dr": "decode_rows", "ps": "persistent",
-                            "ph": "pack_heads"},
+                            "ph": "pack_heads", "ov": "overlap_softmax"},
 }
 
 

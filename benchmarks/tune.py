@@ -176,11 +176,14 @@ def ragged_mosaic_candidates(shape, heuristic, ranked, sms) -> list:
     ones again on persistent CTAs; where the shape has one-token sequences, the ping-pong ones
     again with ``decode_rows``; where it has sequences of at most 16 new tokens, the ping-pong
     and one-consumer ones again with the most heads of the group whose tokens fit 64 rows in a
-    consumer's tile (``pack_heads``)."""
+    consumer's tile (``pack_heads``); last, the tiles and persistent ones without ping-pong
+    again with ``overlap_softmax``."""
     configs = _ragged_mosaic_tiles(shape)
     ping_pong = [c for c in configs if c.ping_pong]
     one = [c for c in configs if c.num_consumers == 1]
     configs += [dataclasses.replace(c, persistent=True) for c in configs if c.num_consumers == 2]
+    overlapped = [dataclasses.replace(c, overlap_softmax=True) for c in configs
+                  if not c.ping_pong]
     if any(q_len == 1 for _, q_len, _ in shape.seqs):
         configs += [dataclasses.replace(c, decode_rows=True) for c in ping_pong]
     short = [q_len for _, q_len, _ in shape.seqs if 0 < q_len <= ragged_mosaic_config.PACK_BELOW]
@@ -189,7 +192,7 @@ def ragged_mosaic_candidates(shape, heuristic, ranked, sms) -> list:
     pack = ragged_mosaic_config.largest_pack(group, max(short)) if short else 1
     if pack > 1:
         configs += [dataclasses.replace(c, pack_heads=pack) for c in ping_pong + one]
-    return [c for c in configs if _takes(shape, c)]
+    return [c for c in configs + overlapped if _takes(shape, c)]
 
 
 def _takes(shape, config) -> bool:

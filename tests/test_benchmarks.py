@@ -592,11 +592,13 @@ D256 = MosaicAttentionConfig(block_kv=64, num_stages=2, num_consumers=1, ping_po
 
 
 @pytest.mark.parametrize("name,count,only", [
-    ("prefill_b4_q2048", 20, None),      # the 12 of 18 that fit; 8 two-consumer ones persistent
+    ("prefill_b4_q2048", 32, None),      # the 12 of 18 that fit; 8 two-consumer ones persistent;
+    #                                      12 without ping-pong overlapped
     ("fp8_mixed_4x512c2560_60dec4096", 16, None),  # the converted ring: 6 fit; 4 persistent,
-    #                                      2 with decode_rows; 4 with the group packed
-    ("spec_b32_q4_ctx4096", 28, None),   # 20 as for prefill; 8 with the group (4) packed
-    ("d256_decode_b32_ctx4096", 2, [D256, dataclasses.replace(D256, pack_heads=4)])])
+    #                                      2 with decode_rows; 4 with the group packed; no overlap
+    ("spec_b32_q4_ctx4096", 40, None),   # 32 as for prefill; 8 with the group (4) packed
+    ("d256_decode_b32_ctx4096", 3, [D256, dataclasses.replace(D256, pack_heads=4),
+                                    dataclasses.replace(D256, overlap_softmax=True)])])
 def test_tune_ragged_mosaic_candidates_are_configs_the_kernel_takes(name, count, only):
     shape = shapes.shape_by_name(name)
     found = tune.ragged_mosaic_candidates(shape, None, [], 132)

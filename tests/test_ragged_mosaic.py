@@ -126,6 +126,36 @@ def test_packed_heads_match_the_truth_and_the_unpacked_bits(rng, config, heads, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("config,heads", [
+    (M(block_kv=64, num_stages=3, num_consumers=2, ping_pong=False, overlap_softmax=True),
+     (4, 2)),
+    pytest.param(M(block_kv=64, num_stages=3, num_consumers=1, ping_pong=False,
+                   overlap_softmax=True, persistent=True), (4, 2), marks=SLOW),
+    pytest.param(M(block_kv=64, num_stages=4, num_consumers=2, ping_pong=False,
+                   overlap_softmax=True, persistent=True, pack_heads=2), (8, 2), marks=SLOW),
+])
+def test_overlapped_softmax_matches_the_truth_and_the_plain_bits(rng, config, heads):
+    """``overlap_softmax`` reorders when each tile's products are issued and waited for, not
+    what is computed: against the truth with every option, and the same config without it: the
+    same bits, or with packed heads (a slope and sink per row, which a multiply-add may contract
+    differently in other code) within a rounding."""
+    num_heads, kvh = heads
+    problem = make_ragged(rng, MIX, pad=3, num_heads=num_heads, num_kv_heads=kvh, head_dim=64,
+                          block_size=16, dtype="bfloat16")
+    every = every_option(rng, num_heads)
+    out, lse = check(problem, config, **every)
+    want, want_lse = attend(problem, dataclasses.replace(config, overlap_softmax=False),
+                            **every)
+    if config.pack_heads == 1:
+        np.testing.assert_array_equal(out.view(np.uint16), to_numpy(want).view(np.uint16))
+        np.testing.assert_array_equal(lse, to_numpy(want_lse))
+    else:
+        np.testing.assert_allclose(out.astype(np.float32), to_numpy(want).astype(np.float32),
+                                   rtol=2 ** -7, atol=2 ** -7)
+        np.testing.assert_allclose(lse, to_numpy(want_lse), rtol=1e-6, atol=1e-6)
+
+
+@needs_kernel
 @pytest.mark.parametrize("block_size,config", [
     pytest.param(16, ONE_CONSUMER, marks=SLOW),
     pytest.param(8, PING_PONG, marks=SLOW),
@@ -443,10 +473,24 @@ def test_heuristic_packs_heads_for_short_sequences(tokens, batch, group, head_di
 @pytest.mark.parametrize("field,value", [("block_kv", 32), ("num_stages", 1),
                                          ("num_consumers", 3), ("ping_pong", 1),
                                          ("decode_rows", "yes"), ("persistent", 1),
-                                         ("pack_heads", 3), ("pack_heads", True)])
+                                         ("pack_heads", 3), ("pack_heads", True),
+                                         ("overlap_softmax", 1)])
 def test_config_refuses_bad_fields(field, value):
     with pytest.raises(ValueError, match=field):
         M(**{field: value})
+
+
+@needs_kernel_api
+def test_overlapped_softmax_refused_with_ping_pong_and_fp8_caches():
+    with pytest.raises(ValueError, match="overlap_softmax=True, ping_pong=True"):
+        M(ping_pong=True, overlap_softmax=True)
+    S = jax.ShapeDtypeStruct
+    config = M(block_kv=64, ping_pong=False, overlap_softmax=True)
+    mosaic_gpu.check_supported(S((8, 8, 128), jnp.bfloat16), S((10, 16, 2, 128), jnp.bfloat16),
+                               config)
+    with pytest.raises(ValueError, match="overlap_softmax=True takes 16-bit caches"):
+        mosaic_gpu.check_supported(S((8, 8, 128), jnp.bfloat16),
+                                   S((10, 16, 2, 128), jnp.float8_e4m3fn), config)
 
 
 # --- compiled, realistic shapes ------------------------------------------------------------------
@@ -530,6 +574,8 @@ def test_persistent_ctas_walk_several_items(rng, monkeypatch, config, cache, pro
     (128, M(block_kv=64, num_stages=2, num_consumers=2, ping_pong=True), "fp8"),
     (128, M(persistent=True), True),
     (128, M(num_consumers=1, ping_pong=False, pack_heads=4), True),
+    (128, M(block_kv=64, num_stages=2, ping_pong=False, persistent=True, overlap_softmax=True),
+     True),
 ])
 def test_lowers_for_cuda_with_the_shared_memory_its_model_says(monkeypatch, head_dim, config,
                                                                options):

@@ -239,6 +239,9 @@ def check_supported(q, k_cache, config: MosaicAttentionConfig) -> None:
             f"config={config}: pack_heads={config.pack_heads} must divide the GQA group of"
             f" {group} query heads per kv head (num_heads={q.shape[1]},"
             f" num_kv_heads={k_cache.shape[2]}): a power of two dividing {group}")
+    if config.overlap_softmax and jnp.dtype(k_cache.dtype) == FP8:
+        raise ValueError(f"config={config}: overlap_softmax=True takes 16-bit caches, got"
+                         f" k_cache.dtype={jnp.dtype(k_cache.dtype)}; overlap_softmax=False")
     if config.decode_rows:
         rows = jax.ShapeDtypeStruct((1, *q.shape[1:]), q.dtype)
         try:
@@ -308,6 +311,7 @@ def _ragged_attention_kernel(
     fused: bool,
     programs: int | None,
     pack: int,
+    overlap: bool,
 ):
     num_blocks, block_size, _, head_dim = k_ref.shape
     kvh = num_kv_heads(k_ref.shape, fused)
@@ -538,27 +542,10 @@ def _ragged_attention_kernel(
                 finish(j, it, c, head0, t0, queries, row0_pos, carry)
                 return done + it.steps
 
-            def step_body(kv_tile, carry, *, masked: bool, it, done, row0_pos, slope):
-                acc, m_prev, l_prev = carry  # f32[64, D], f32[64] (base 2), f32[64]
-                slot = jax.lax.rem(done + kv_tile - it.tile_lo, num_stages)
-                if converts and c == 0:
-                    convert_tiles(it, slot, kv_tile, masked)
-                    if v_ready_bars is not None:
-                        plgpu.barrier_arrive(v_ready_bars.at[slot])
-                elif converts:
-                    plgpu.barrier_wait(v_ready_bars.at[slot])
-                else:
-                    plgpu.barrier_wait(k_bars.at[slot])
-                k_tile, v_tile = ((kc_smem.at[slot], vc_smem.at[slot]) if converts
-                                  else (k_smem.at[slot], v_smem.at[slot]))
-
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
-                    if ping_pong:
-                        schedule_turn()
-                    return acc_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC(score_shape, jnp.float32))  # f32[64, block_kv]
+            def softmax(s, kv_tile, m_prev, l_prev, *, masked: bool, row0_pos, slope):
+                """Tile ``kv_tile``'s raw scores ``s`` f32[64, block_kv] -> ``(p, alpha, m_next,
+                l_next)``: the weights (f32, unnormalized), the factor the accumulator takes,
+                the running max (base 2) and sum; masked: the causal and window mask."""
                 if folds:
                     s = s * (score_scale * LOG2E)
                 else:
@@ -582,22 +569,122 @@ def _ragged_attention_kernel(
                 m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # no key yet: exp2 finite
                 alpha = jnp.exp2(m_prev - m_safe)
                 p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_safe, score_shape, [0]))
-                l_next = l_prev * alpha + p.sum(axis=1)
+                return p, alpha, m_next, l_prev * alpha + p.sum(axis=1)
+
+            def values_ready(it, slot, kv_tile, masked: bool):
+                """16-bit caches: stage ``slot``'s V tile copied and, on a masked tile, checked
+                (`fix_values`, by the first consumer, which then signals the second)."""
+                if c == 0:
+                    plgpu.barrier_wait(v_bars.at[slot])
+                    if masked:
+                        fix_values(it, v_smem.at[slot], kv_tile)
+                    if v_ready_bars is not None:
+                        plgpu.barrier_arrive(v_ready_bars.at[slot])
+                else:
+                    plgpu.barrier_wait(v_ready_bars.at[slot])
+
+            def attend_overlapped(j, it, done):
+                """`attend` with ``overlap_softmax``: tile ``t``'s softmax runs while tile
+                ``t + 1``'s ``Q K^T`` is on the tensor cores. Each step issues the next tile's
+                scores, turns this tile's into weights, runs this tile's ``P V`` (its stage is
+                then free) and takes the next scores, done by then. The last tile takes the
+                masked path (its mask is a no-op on a tile every row sees whole)."""
+                head0, t0, queries, _, row0_pos = consumer_rows(it, c)
+                slope = None if alibi_ref is None else per_row_scores(per_row(alibi_ref, head0))
+                first, last = it.tile_lo, it.tile_lo + it.steps
+
+                def slot_of(kv_tile):
+                    return jax.lax.rem(done + kv_tile - first, num_stages)
+
+                def issue_scores(s_ref, kv_tile):
+                    slot = slot_of(kv_tile)
+                    plgpu.barrier_wait(k_bars.at[slot])
+                    plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+
+                def first_scores(kv_tile, s):
+                    del s
+
+                    def scoped(s_ref):
+                        issue_scores(s_ref, kv_tile)
+                        return s_ref[...]
+
+                    return pl.run_scoped(scoped, plgpu.ACC(score_shape, jnp.float32))
+
+                def step(kv_tile, carry, *, masked: bool, last_tile: bool):
+                    # this tile's scores f32[64, block_kv], f32[64, D], f32[64] (base 2), f32[64]
+                    s, acc, m_prev, l_prev = carry
+                    slot = slot_of(kv_tile)
+
+                    def scoped(s_ref):
+                        if not last_tile:
+                            issue_scores(s_ref, kv_tile + 1)
+                        p, alpha, m_next, l_next = softmax(
+                            s, kv_tile, m_prev, l_prev, masked=masked, row0_pos=row0_pos,
+                            slope=slope)
+                        rescaled = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+                        p16 = p.astype(dtype)
+                        values_ready(it, slot, kv_tile, masked)
+
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                        out = pl.run_state(pv)(plgpu.ACC.init(rescaled))  # waits both products
+                        plgpu.barrier_arrive(free_bars.at[slot])
+                        return (s if last_tile else s_ref[...]), out, m_next, l_next
+
+                    if last_tile:
+                        return scoped(None)
+                    return pl.run_scoped(scoped, plgpu.ACC(score_shape, jnp.float32))
+
+                s = jax.lax.fori_loop(
+                    first, jnp.minimum(first + 1, last), first_scores,
+                    plgpu.layout_cast(jnp.zeros(score_shape, jnp.float32), plgpu.Layout.WGMMA))
+                carry = (s,
+                         plgpu.layout_cast(jnp.zeros((MMA_ROWS, head_dim), jnp.float32),
+                                           plgpu.Layout.WGMMA),
+                         plgpu.layout_cast(jnp.full((MMA_ROWS,), -jnp.inf, jnp.float32),
+                                           row_layout),
+                         plgpu.layout_cast(jnp.zeros((MMA_ROWS,), jnp.float32), row_layout))
+                for (lo, hi), masked in zip(it.loops, (True, False, True)):
+                    carry = jax.lax.fori_loop(
+                        lo, jnp.minimum(hi, last - 1),
+                        functools.partial(step, masked=masked, last_tile=False), carry)
+                _, acc, m, l = jax.lax.fori_loop(
+                    jnp.maximum(last - 1, first), last,
+                    functools.partial(step, masked=True, last_tile=True), carry)
+                finish(j, it, c, head0, t0, queries, row0_pos, (acc, m, l))
+                return done + it.steps
+
+            def step_body(kv_tile, carry, *, masked: bool, it, done, row0_pos, slope):
+                acc, m_prev, l_prev = carry  # f32[64, D], f32[64] (base 2), f32[64]
+                slot = jax.lax.rem(done + kv_tile - it.tile_lo, num_stages)
+                if converts and c == 0:
+                    convert_tiles(it, slot, kv_tile, masked)
+                    if v_ready_bars is not None:
+                        plgpu.barrier_arrive(v_ready_bars.at[slot])
+                elif converts:
+                    plgpu.barrier_wait(v_ready_bars.at[slot])
+                else:
+                    plgpu.barrier_wait(k_bars.at[slot])
+                k_tile, v_tile = ((kc_smem.at[slot], vc_smem.at[slot]) if converts
+                                  else (k_smem.at[slot], v_smem.at[slot]))
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
+                    if ping_pong:
+                        schedule_turn()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC(score_shape, jnp.float32))  # f32[64, block_kv]
+                p, alpha, m_next, l_next = softmax(s, kv_tile, m_prev, l_prev, masked=masked,
+                                                   row0_pos=row0_pos, slope=slope)
                 acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(dtype)
 
                 if ping_pong:
                     plgpu.barrier_arrive(schedule_bar)  # done with the softmax
-                if converts:
-                    pass  # converted (and fixed) before the first product
-                elif c == 0:
-                    plgpu.barrier_wait(v_bars.at[slot])
-                    if masked:
-                        fix_values(it, v_tile, kv_tile)
-                    if v_ready_bars is not None:
-                        plgpu.barrier_arrive(v_ready_bars.at[slot])
-                else:
-                    plgpu.barrier_wait(v_ready_bars.at[slot])
+                if not converts:  # fp8: converted (and fixed) before the first product
+                    values_ready(it, slot, kv_tile, masked)
                 if ping_pong:
                     plgpu.barrier_wait(schedule_bar)  # the tensor cores are ours
 
@@ -614,7 +701,7 @@ def _ragged_attention_kernel(
 
             if ping_pong and c == 1:
                 schedule_turn()  # the second consumer starts one turn behind the first
-            for_each_item(attend, jnp.int32(0))
+            for_each_item(attend_overlapped if overlap else attend, jnp.int32(0))
             if ping_pong and c == 0:
                 schedule_turn()  # the second consumer's last turn
 
@@ -801,7 +888,7 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, context_lens, quer
         _ragged_attention_kernel, plgpu=plgpu, scale=scale, group=group, num_tokens=num_tokens,
         block_kv=config.block_kv, num_stages=config.num_stages, num_consumers=consumers,
         ping_pong=ping_pong, soft_cap=logits_soft_cap, window=sliding_window, fused=fused,
-        programs=programs, pack=pack)
+        programs=programs, pack=pack, overlap=config.overlap_softmax)
     k_scale_operand, v_scale_operand = kernel_scale_operands(k_scale, v_scale)
     kernel_body, optional = with_optional_operands(body, 7, {
         "alibi": None if alibi_slopes is None else alibi_slopes.astype(jnp.float32),
@@ -813,7 +900,8 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, context_lens, quer
             f"_g{group}_d{head_dim}_bs{k_cache.shape[1]}" + ("_pp" if ping_pong else "")
             + ("_fp8" if jnp.dtype(k_cache.dtype) == FP8 else "")
             + (f"_persistent{programs}" if programs else "") + ("_fused" if fused else "")
-            + (f"_pack{pack}" if pack > 1 else ""))
+            + (f"_pack{pack}" if pack > 1 else "")
+            + ("_overlap" if config.overlap_softmax else ""))
     out, lse_tiles = plgpu.kernel(
         kernel_body,
         out_type=(jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), q.dtype),

@@ -39,6 +39,10 @@ class MosaicAttentionConfig:
       persistent: as many CTAs as stay resident on the device's multiprocessors, each walking
         several work items (the longest first, dealt in snake order), the next item's K/V
         tiles streaming in while the current one's output goes out; else one CTA per item.
+      overlap_softmax: each consumer issues the next tile's ``Q K^T`` before this tile's
+        softmax, so its softmax runs beside its own next product (FlashAttention-3's
+        intra-warpgroup overlap, without keeping ``P V`` in flight). 16-bit caches, no
+        ``ping_pong``.
       pack_heads: query heads of one kv head that share a consumer's 64 wgmma rows, each with
         ``64 / pack_heads`` consecutive tokens (1, 2, 4, 8, 16, 32 or 64, dividing the GQA
         group). 1: a consumer's rows are 64 tokens of one head. More: a sequence with few new
@@ -53,13 +57,14 @@ class MosaicAttentionConfig:
     decode_rows: bool = False
     persistent: bool = False
     pack_heads: int = 1
+    overlap_softmax: bool = False
 
     def __post_init__(self):
         for name in ("block_kv", "num_stages", "num_consumers", "pack_heads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MosaicAttentionConfig.{name}={value!r} must be a positive int")
-        for name in ("ping_pong", "decode_rows", "persistent"):
+        for name in ("ping_pong", "decode_rows", "persistent", "overlap_softmax"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"MosaicAttentionConfig.{name}={getattr(self, name)!r} must be a bool")
@@ -70,6 +75,10 @@ class MosaicAttentionConfig:
         if self.num_consumers not in (1, 2):
             raise ValueError(
                 f"MosaicAttentionConfig.num_consumers={self.num_consumers} must be 1 or 2")
+        if self.overlap_softmax and self.ping_pong:
+            raise ValueError(
+                "MosaicAttentionConfig(overlap_softmax=True, ping_pong=True): the overlap"
+                " orders a consumer's own products; ping_pong=False")
         if self.pack_heads not in PACKS:
             raise ValueError(f"MosaicAttentionConfig.pack_heads={self.pack_heads} must be one of"
                              f" {PACKS}")
