@@ -342,12 +342,15 @@ def test_decode_equals_one_token_per_sequence(rng, impl, which):
     qsl = jnp.arange(len(paged.context_lens) + 1, dtype=jnp.int32)
     want, want_lse = pp.decode(*args, impl=impl, return_lse=True, **jax_options(extra))
     got, got_lse = pp.paged_attention(*args, qsl, impl=impl, return_lse=True, **jax_options(extra))
-    # The two kernels differ in their tiles and reductions: fp32 sums within 1e-6, bf16 outputs
-    # (rounded once each) within an ulp, lse within 1e-5.
+    # The two kernels differ in their tiles and reductions: fp32 sums within 1e-6; over an fp8
+    # cache each rounds its softmax weights to fp16 per tile (tiles of its own config), so the
+    # bf16 outputs agree within an ulp at the scale of the outputs (averages of the values),
+    # not of each output (a row near 0 averages values far larger), lse within 1e-5.
     if dtype == "float32":
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
     else:
-        assert_within_ulps(got, want, "bfloat16", ulps=1)
+        scale = float(np.abs(to_numpy(want).astype(np.float32)).max())
+        assert_within_ulps(got, want, "bfloat16", ulps=1, magnitude=scale)
     np.testing.assert_allclose(to_numpy(got_lse), to_numpy(want_lse), atol=1e-5, rtol=1e-6)
     assert_close(reference(*paged.arrays(), **extra), got, got_lse)
     ref = torch_ref.paged_attention(*paged.torch(), torch.arange(len(paged.context_lens) + 1),
