@@ -39,7 +39,9 @@ later (``plgpu.kernel``). Read top to bottom (the public function is
      with no mask. Nothing past the tile's last query position is read, nor any tile wholly
      before the window of its first.
    - With ``ping_pong`` (two consumers), a schedule barrier orders the two consumers' wgmmas so
-     that one's softmax runs while the other's products run on the tensor cores.
+     that one's softmax runs while the other's products run on the tensor cores. With
+     ``overlap_softmax``, each consumer issues the next tile's ``Q K^T`` before this tile's
+     softmax, which then runs beside its own product (`attend_overlapped`).
    - Each consumer normalizes its rows (with the sink), writes them to shared memory and from
      there to the output by TMA in boxes of 64, 32, ..., 1 tokens (the binary digits of its row
      count, so no row of another sequence is touched), and its lse (64 values) to a per-CTA
