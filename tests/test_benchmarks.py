@@ -888,6 +888,18 @@ def test_profile_kernel_passes_the_caches_as_arguments(name):
     assert max((len(c) // 2 for c in constants), default=0) < args[1].nbytes
 
 
+def test_profile_kernel_takes_a_ragged_config():
+    """``--config`` over the config a ragged call picks: the fields replaced, the rest kept."""
+    from benchmarks.profiling import profile_kernel
+
+    describe, fn, args = profile_kernel.ragged_call("smoke_prefill_b2_q24", "pallas",
+                                                    {"block_k": 16, "num_warps": 2})
+    assert "block_k=16" in describe and "num_warps=2" in describe
+    assert fn(*args).shape == args[0].shape
+    with pytest.raises(SystemExit):
+        profile_kernel.main(["--shape", "smoke_prefill_b2_q24", "--config", "ov1"])
+
+
 def test_program_timeline_phases_of_synthetic_stamps():
     """Each phase from known stamps, calls taken in the order they started (not as listed), the
     timer's 32-bit wrap-around undone."""

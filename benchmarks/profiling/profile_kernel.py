@@ -6,9 +6,8 @@ r"""A few calls of one named shape's kernel, for a profiler to look at (Nsight C
         python -m benchmarks.profiling.profile_kernel --shape fp8_b32_ctx4096
 
 ``--shape`` names a decode shape of `benchmarks.shapes` (runs `pallas_paged.decode`) or a ragged
-one (runs `pallas_paged.paged_attention`), with the config the call picks (for decode,
-``--config bk64/pr1`` replaces those fields of it, `benchmarks._cli.config_label`'s parts), or
-``--impl``.
+one (runs `pallas_paged.paged_attention`), with the config the call picks for ``--impl``
+(``--config bk64/pr1`` replaces those fields of it, `benchmarks._cli.config_label`'s parts).
 The script runs ``--calls`` calls and prints the names of the kernels in the program (the
 profiler's ``--kernel-name`` filter). Nothing is timed here: read the
 profiler's report.
@@ -28,6 +27,7 @@ from benchmarks.shapes import (RaggedBenchShape, make_decode_inputs, make_ragged
                                shape_by_name)
 from pallas_paged._platform import resolve_interpret
 from pallas_paged.decode_attention.api import select_kernel
+from pallas_paged.ragged_attention.api import select_kernel as select_ragged
 
 
 def decode_call(name: str, impl: str, fields: dict | None = None):
@@ -48,12 +48,19 @@ def decode_call(name: str, impl: str, fields: dict | None = None):
     return shape.describe() + ("" if config is None else f", {config}"), fn, inputs.args(0)
 
 
-def ragged_call(name: str, impl: str):
-    """``(description, jitted fn, args)`` of one ragged call on shape ``name``'s inputs."""
+def ragged_call(name: str, impl: str, fields: dict | None = None):
+    """``(description, jitted fn, args)`` of one ragged call on shape ``name``'s inputs; with
+    ``fields``, the config ``paged_attention`` picks with those fields replaced."""
     shape = shape_by_name(name)
     inputs = make_ragged_inputs(shape, seed=0)
-    fn = jax.jit(lambda *args: pp.paged_attention(*args, impl=impl, **shape.scales))
-    return shape.describe(), fn, inputs.args(0)
+    config = None
+    if fields:
+        _, picked = select_ragged(*shape.abstract_args()[:3], impl=impl, config=None,
+                                  interpret=resolve_interpret(None))
+        config = dataclasses.replace(picked, **fields)
+    fn = jax.jit(lambda *args: pp.paged_attention(*args, impl=impl, config=config,
+                                                  **shape.scales))
+    return shape.describe() + ("" if config is None else f", {config}"), fn, inputs.args(0)
 
 
 def main(argv=None) -> int:
@@ -63,24 +70,25 @@ def main(argv=None) -> int:
     parser.add_argument("--impl", default="pallas")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--config", default=None,
-                        help="decode shapes: bk64/pr1 (any subset; with --impl mosaic, e.g."
-                        " st3/vp1) over the config decode picks")
+                        help="bk64/pr1 (any subset of the impl's config label; e.g. st3/vp1"
+                        " for decode --impl mosaic, ps1/ov1 for a ragged shape's) over the"
+                        " config the call picks")
     args = parser.parse_args(argv)
     try:
         ragged = isinstance(shape_by_name(args.shape), RaggedBenchShape)
     except ValueError as e:
         parser.error(str(e))
+    mosaic = args.impl == "mosaic"
     if ragged:
-        if args.config:
-            parser.error("--config applies to decode shapes")
-        describe, fn, call_args = ragged_call(args.shape, args.impl)
+        config_type = pp.MosaicAttentionConfig if mosaic else pp.AttentionConfig
     else:
-        config_type = pp.MosaicDecodeConfig if args.impl == "mosaic" else pp.DecodeConfig
-        try:
-            fields = parse_config(args.config, config_type) if args.config else None
-        except ValueError as e:
-            parser.error(f"--config: {e}")
-        describe, fn, call_args = decode_call(args.shape, args.impl, fields)
+        config_type = pp.MosaicDecodeConfig if mosaic else pp.DecodeConfig
+    try:
+        fields = parse_config(args.config, config_type) if args.config else None
+    except ValueError as e:
+        parser.error(f"--config: {e}")
+    call = ragged_call if ragged else decode_call
+    describe, fn, call_args = call(args.shape, args.impl, fields)
     print(f"{args.shape}: {describe}, impl={args.impl}")
     text = fn.lower(*call_args).as_text()
     print(text.count("pallas_paged"), "mention(s) of pallas_paged kernels in the program")
