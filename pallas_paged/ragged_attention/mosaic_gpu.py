@@ -935,8 +935,8 @@ def _decode_rows(q_rows, k_cache, v_cache, block_tables, context_lens, *, fused:
     lse)`` per sequence."""
     k_half = jax.ShapeDtypeStruct(
         (*k_cache.shape[:2], num_kv_heads(k_cache.shape, fused), k_cache.shape[3]), k_cache.dtype)
-    config = decode_config.lookup_mosaic(decode_shape(q_rows, k_half, block_tables),
-                                         device_kind(), sm_count())
+    shape = decode_shape(q_rows, k_half, block_tables, options["sliding_window"])
+    config = decode_config.lookup_mosaic(shape, device_kind(), sm_count())
     if decode_kernel.refusal(q_rows, k_half, config, interpret) is not None:
         config = decode_kernel.SMALLEST_CONFIG
     return decode_kernel.decode_mosaic(q_rows, k_cache, v_cache, block_tables, context_lens,
