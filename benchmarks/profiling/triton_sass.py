@@ -94,11 +94,13 @@ def kernel_config(shape_name: str, overrides: dict):
     return dataclasses.replace(pallas_triton_config.lookup(found, *TARGET_DEVICE), **overrides)
 
 
-def fused_cache(cache):
-    """The abstract fused cache ``[num_blocks, block_size, 2 * num_kv_heads, head_dim]`` of the
-    same blocks as the abstract K (or V) cache ``cache``."""
+def cache_operands(cache, fused: bool) -> tuple:
+    """The call's cache operands for the abstract K (or V) cache ``cache``: ``(k, v)``, or the
+    one fused cache ``[num_blocks, block_size, 2 * num_kv_heads, head_dim]`` of its blocks."""
+    if not fused:
+        return cache, cache
     blocks, block_size, kvh, head_dim = cache.shape
-    return jax.ShapeDtypeStruct((blocks, block_size, 2 * kvh, head_dim), cache.dtype)
+    return (jax.ShapeDtypeStruct((blocks, block_size, 2 * kvh, head_dim), cache.dtype),)
 
 
 def triton_ir(shape_name: str, config, fused: bool = False) -> str:
@@ -113,8 +115,8 @@ def triton_ir(shape_name: str, config, fused: bool = False) -> str:
         q, cache, tables, lens, starts = ragged.abstract_args()
         fn = functools.partial(pp.paged_attention_fused if fused else pp.paged_attention,
                                impl="pallas", interpret=False, config=config, **ragged.scales)
-        caches = (fused_cache(cache),) if fused else (cache, cache)
-        args, prefix = (q, *caches, tables, lens, starts), "pallas_paged_ragged"
+        args = (q, *cache_operands(cache, fused), tables, lens, starts)
+        prefix = "pallas_paged_ragged"
     else:
         shape = shape_by_name(shape_name)
         q, one_block, tables = shape.abstract_args()
@@ -125,8 +127,7 @@ def triton_ir(shape_name: str, config, fused: bool = False) -> str:
         fn = functools.partial(pp.decode_fused if fused else pp.decode, impl="pallas",
                                interpret=False, config=config,
                                sliding_window=shape.sliding_window, **shape.scales)
-        caches = (fused_cache(cache),) if fused else (cache, cache)
-        args, prefix = (q, *caches, tables, lens), "pallas_paged_decode"
+        args, prefix = (q, *cache_operands(cache, fused), tables, lens), "pallas_paged_decode"
     modules = []
     lower = registration.lowering.lower_jaxpr_to_triton_module
 

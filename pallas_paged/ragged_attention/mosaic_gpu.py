@@ -525,6 +525,30 @@ def _ragged_attention_kernel(
                 """A scalar or per-row ``x`` (`per_row`) across the score tile's columns."""
                 return x if pack == 1 else jax.lax.broadcast_in_dim(x, score_shape, [0])
 
+            def initial_state():
+                """The online softmax's start: ``O`` f32[64, D] zeros, the running max f32[64]
+                (base 2) -inf and sum f32[64] zeros."""
+                return (plgpu.layout_cast(jnp.zeros((MMA_ROWS, head_dim), jnp.float32),
+                                          plgpu.Layout.WGMMA),
+                        plgpu.layout_cast(jnp.full((MMA_ROWS,), -jnp.inf, jnp.float32),
+                                          row_layout),
+                        plgpu.layout_cast(jnp.zeros((MMA_ROWS,), jnp.float32), row_layout))
+
+            def ring_slot(it, done, kv_tile):
+                """The ring stage that holds item ``it``'s tile ``kv_tile`` (``done`` tiles went
+                through the ring before the item)."""
+                return jax.lax.rem(done + kv_tile - it.tile_lo, num_stages)
+
+            def product_pv(acc, p16, v_tile, slot):
+                """``O += P V`` for the tile in stage ``slot`` (waited for); the stage is then
+                free for the producer."""
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_tile)
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(free_bars.at[slot])
+                return acc
+
             def attend(j, it, done):
                 """Item ``it`` (the CTA's ``j``-th; ``done`` ring tiles read before it): its
                 query tile is in ``q_smem[c]``; its output and lse go out; persistent, the next
@@ -533,11 +557,7 @@ def _ragged_attention_kernel(
                 slope = None if alibi_ref is None else per_row_scores(per_row(alibi_ref, head0))
                 walk = functools.partial(step_body, it=it, done=done, row0_pos=row0_pos,
                                          slope=slope)
-                carry = (plgpu.layout_cast(jnp.zeros((MMA_ROWS, head_dim), jnp.float32),
-                                           plgpu.Layout.WGMMA),
-                         plgpu.layout_cast(jnp.full((MMA_ROWS,), -jnp.inf, jnp.float32),
-                                           row_layout),
-                         plgpu.layout_cast(jnp.zeros((MMA_ROWS,), jnp.float32), row_layout))
+                carry = initial_state()
                 for (lo, hi), masked in zip(it.loops, (True, False, True)):
                     carry = jax.lax.fori_loop(lo, hi, functools.partial(walk, masked=masked),
                                               carry)
@@ -595,11 +615,8 @@ def _ragged_attention_kernel(
                 slope = None if alibi_ref is None else per_row_scores(per_row(alibi_ref, head0))
                 first, last = it.tile_lo, it.tile_lo + it.steps
 
-                def slot_of(kv_tile):
-                    return jax.lax.rem(done + kv_tile - first, num_stages)
-
                 def issue_scores(s_ref, kv_tile):
-                    slot = slot_of(kv_tile)
+                    slot = ring_slot(it, done, kv_tile)
                     plgpu.barrier_wait(k_bars.at[slot])
                     plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
 
@@ -615,7 +632,7 @@ def _ragged_attention_kernel(
                 def step(kv_tile, carry, *, masked: bool, last_tile: bool):
                     # this tile's scores f32[64, block_kv], f32[64, D], f32[64] (base 2), f32[64]
                     s, acc, m_prev, l_prev = carry
-                    slot = slot_of(kv_tile)
+                    slot = ring_slot(it, done, kv_tile)
 
                     def scoped(s_ref):
                         if not last_tile:
@@ -626,12 +643,8 @@ def _ragged_attention_kernel(
                         rescaled = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
                         p16 = p.astype(dtype)
                         values_ready(it, slot, kv_tile, masked)
-
-                        def pv(acc_ref):
-                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-                        out = pl.run_state(pv)(plgpu.ACC.init(rescaled))  # waits both products
-                        plgpu.barrier_arrive(free_bars.at[slot])
+                        # waits for both products: this P V and the next scores
+                        out = product_pv(rescaled, p16, v_smem.at[slot], slot)
                         return (s if last_tile else s_ref[...]), out, m_next, l_next
 
                     if last_tile:
@@ -641,12 +654,7 @@ def _ragged_attention_kernel(
                 s = jax.lax.fori_loop(
                     first, jnp.minimum(first + 1, last), first_scores,
                     plgpu.layout_cast(jnp.zeros(score_shape, jnp.float32), plgpu.Layout.WGMMA))
-                carry = (s,
-                         plgpu.layout_cast(jnp.zeros((MMA_ROWS, head_dim), jnp.float32),
-                                           plgpu.Layout.WGMMA),
-                         plgpu.layout_cast(jnp.full((MMA_ROWS,), -jnp.inf, jnp.float32),
-                                           row_layout),
-                         plgpu.layout_cast(jnp.zeros((MMA_ROWS,), jnp.float32), row_layout))
+                carry = (s, *initial_state())
                 for (lo, hi), masked in zip(it.loops, (True, False, True)):
                     carry = jax.lax.fori_loop(
                         lo, jnp.minimum(hi, last - 1),
@@ -659,7 +667,7 @@ def _ragged_attention_kernel(
 
             def step_body(kv_tile, carry, *, masked: bool, it, done, row0_pos, slope):
                 acc, m_prev, l_prev = carry  # f32[64, D], f32[64] (base 2), f32[64]
-                slot = jax.lax.rem(done + kv_tile - it.tile_lo, num_stages)
+                slot = ring_slot(it, done, kv_tile)
                 if converts and c == 0:
                     convert_tiles(it, slot, kv_tile, masked)
                     if v_ready_bars is not None:
@@ -689,13 +697,7 @@ def _ragged_attention_kernel(
                     values_ready(it, slot, kv_tile, masked)
                 if ping_pong:
                     plgpu.barrier_wait(schedule_bar)  # the tensor cores are ours
-
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_tile)
-
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(free_bars.at[slot])
-                return acc, m_next, l_next
+                return product_pv(acc, p16, v_tile, slot), m_next, l_next
 
             stage_queries(c)
             if programs is not None:
