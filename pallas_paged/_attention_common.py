@@ -17,14 +17,9 @@ def num_kv_heads(cache_shape, fused: bool) -> int:
 def split_kv_cache(kv_cache):
     """A fused cache ``[num_blocks, block_size, 2 * num_kv_heads, head_dim]`` as the pair of caches
     it is: ``(kv_cache[:, :, 0::2], kv_cache[:, :, 1::2])`` (K, V). For the XLA paths; the
-    kernels read the fused rows in place (`kv_head_rows`)."""
+    kernels read the fused rows in place (Triton: `_triton_common.kv_rows`, Mosaic GPU:
+    `_mosaic_common.kv_head_rows`)."""
     return kv_cache[:, :, 0::2], kv_cache[:, :, 1::2]
-
-
-def kv_head_rows(h, fused: bool):
-    """Where kv head ``h``'s K and V rows lie along a cache's head axis: ``(h, h)`` in separate K
-    and V caches, ``(2h, 2h + 1)`` in one fused cache."""
-    return (2 * h, 2 * h + 1) if fused else (h, h)
 
 
 def balanced_share(count, part, num_parts):

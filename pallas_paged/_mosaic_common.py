@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_paged._attention_common import kv_head_rows
 from pallas_paged._platform import has_gpu, xla_cpu_threads
 
 MIN_JAX = (0, 11, 2)  # plgpu.kernel with out_type / scratch_types and warpgroup semantics
@@ -169,6 +168,12 @@ def tile_block_ids(tables_ref, row, kv_tile, *, block_size: int, block_kv: int, 
         pages = [kv_tile // (block_size // block_kv)]
     return tuple(jnp.clip(tables_ref[row, jnp.clip(page, page_lo, page_hi)], 0, num_blocks - 1)
                  for page in pages)
+
+
+def kv_head_rows(h, fused: bool):
+    """Where kv head ``h``'s K and V rows lie along a cache's head axis (a TMA copy's index):
+    ``(h, h)`` in separate K and V caches, ``(2h, 2h + 1)`` in one fused cache."""
+    return (2 * h, 2 * h + 1) if fused else (h, h)
 
 
 def copy_kv_tile(plgpu, k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, *, kv_tile, slot, blocks,

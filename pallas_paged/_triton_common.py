@@ -92,15 +92,27 @@ def uses_fp8_pairs(fp8_pairs: bool, cache_dtype, head_dim: int) -> bool:
     return fp8_pairs and jnp.dtype(cache_dtype).itemsize == 1 and head_dim % 2 == 0
 
 
-def slot_major(cache, *, fp8_pairs: bool):
-    """A cache ``[num_blocks, block_size, kvh, head_dim]`` as the kernels index it: ``[slots,
-    kvh, head_dim]``, or with ``fp8_pairs`` u16 words of two neighbouring columns, ``[slots,
-    kvh, head_dim / 2]`` (a bitcast: no copy)."""
-    num_blocks, block_size, kvh, head_dim = cache.shape
+def slot_major(cache, *, fp8_pairs: bool, fused: bool = False):
+    """A cache ``[num_blocks, block_size, heads, head_dim]`` as the kernels index it: ``[slots,
+    kvh, head_dim]``, or for a fused cache ``[slots, kvh, 2, head_dim]`` (K of kv head ``h`` at
+    ``[:, h, 0]``, V at ``[:, h, 1]``: `kv_rows`); with ``fp8_pairs`` u16 words of two
+    neighbouring columns in the last axis, ``head_dim / 2`` of them (a bitcast: no copy).
+
+    The fused cache keeps kv head ``h`` an index of its own rather than the combined heads
+    ``2h`` and ``2h + 1``: the address then has the pair layout's form, which the Triton compiler
+    turns into one wide multiply-add per row."""
+    num_blocks, block_size, heads, head_dim = cache.shape
+    rows = (num_blocks * block_size, *((heads // 2, 2) if fused else (heads,)))
     if not fp8_pairs:
-        return cache.reshape(num_blocks * block_size, kvh, head_dim)
-    pairs = cache.reshape(num_blocks * block_size, kvh, head_dim // 2, 2)
+        return cache.reshape(*rows, head_dim)
+    pairs = cache.reshape(*rows, head_dim // 2, 2)
     return jax.lax.bitcast_convert_type(pairs, jnp.uint16)
+
+
+def kv_rows(h, fused: bool):
+    """The indices of kv head ``h``'s K rows and V rows after the slot in `slot_major`'s view:
+    ``((h,), (h,))`` in separate caches, ``((h, 0), (h, 1))`` in a fused one."""
+    return ((h, 0), (h, 1)) if fused else ((h,), (h,))
 
 
 def column_parts(padded_dim: int, head_dim: int, *, fp8_pairs: bool):
@@ -117,13 +129,13 @@ def column_parts(padded_dim: int, head_dim: int, *, fp8_pairs: bool):
     return words, words < head_dim // parts, [parts * words + part for part in range(parts)]
 
 
-def load_kv_parts(ref, slot, h, words, mask, *, fp8_pairs: bool, interpret: bool):
-    """A tile of K or V rows (slots ``slot`` i32[Tk] of kv head ``h`` in the `slot_major` cache
-    ``ref``) as a tuple of its `column_parts` tiles [Tk, Dq]: with ``fp8_pairs`` the even and the
-    odd columns in fp16, else the rows in the cache's dtype. ``mask`` bool[Tk, Dq] or None (masked
-    elements are 0)."""
+def load_kv_parts(ref, slot, rows, words, mask, *, fp8_pairs: bool, interpret: bool):
+    """A tile of K or V rows (slots ``slot`` i32[Tk] at ``rows``, `kv_rows`' indices of one kv
+    head, in the `slot_major` cache ``ref``) as a tuple of its `column_parts` tiles [Tk, Dq]: with
+    ``fp8_pairs`` the even and the odd columns in fp16, else the rows in the cache's dtype.
+    ``mask`` bool[Tk, Dq] or None (masked elements are 0)."""
     other = None if mask is None else (0 if fp8_pairs else 0.0)  # u16 words, or floats
-    tile = plgpu.load(ref.at[slot[:, None], h, words[None, :]], mask=mask, other=other)
+    tile = plgpu.load(ref.at[(slot[:, None], *rows, words[None, :])], mask=mask, other=other)
     return fp8_pairs_to_f16(tile, interpret=interpret) if fp8_pairs else (tile,)
 
 

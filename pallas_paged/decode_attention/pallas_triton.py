@@ -45,14 +45,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_paged._attention_common import (balanced_share, divides, kv_head_rows,
-                                            merged_max_and_sum, num_kv_heads, share_owner,
-                                            tile_range)
+from pallas_paged._attention_common import (balanced_share, divides, merged_max_and_sum,
+                                            num_kv_heads, share_owner, tile_range)
 from pallas_paged._fp8 import kernel_scale_operands
 from pallas_paged._platform import next_power_of_2
 from pallas_paged._triton_common import (MIN_DOT_ROWS, column_parts, dot_dtype, dot_nn, dot_nt,
-                                         load_kv_parts, merge_splits_pallas, query_for_dots,
-                                         slot_major, softmax_exp, uses_fp8_pairs, with_sink)
+                                         kv_rows, load_kv_parts, merge_splits_pallas,
+                                         query_for_dots, slot_major, softmax_exp, uses_fp8_pairs,
+                                         with_sink)
 from pallas_paged.decode_attention.pallas_triton_config import DecodeConfig
 
 
@@ -112,7 +112,7 @@ def attend_tiles(tables_ref, k_ref, v_ref, qs, score_scale, slopes, *, b, h, n, 
       b, h, n, first: int32 scalars: the sequence, the kv head, its clamped length and its first
         position inside the window (`tile_range`); tile_lo, tile_hi: int32 scalars.
       words, word_ok: `column_parts`' word indices and mask, i32[Dq] / bool[Dq].
-      fused: ``k_ref`` and ``v_ref`` are one fused cache (`kv_head_rows`).
+      fused: ``k_ref`` and ``v_ref`` are one fused cache (`kv_rows`).
 
     Returns:
       ``(accs, m, l)``: per part the unnormalized weighted sum f32[Gp, Dq], the running max and
@@ -122,14 +122,14 @@ def attend_tiles(tables_ref, k_ref, v_ref, qs, score_scale, slopes, *, b, h, n, 
     padded_group, part_dim = qs[0].shape
     load_tile = functools.partial(load_kv_parts, words=words, fp8_pairs=fp8_pairs,
                                   interpret=interpret)
-    k_head, v_head = kv_head_rows(h, fused)
+    k_rows, v_rows = kv_rows(h, fused)
 
     def tile_body(tile, carry):
         accs, m_prev, l_prev = carry  # (f32[Gp, Dq],) * parts, f32[Gp], f32[Gp]
         pos, valid, slot = tile_slots(tables_ref, b, tile, first, n, block_k=block_k,
                                       block_size=block_size, num_blocks=num_blocks)
         kv_mask = valid[:, None] & word_ok[None, :]
-        ks = load_tile(k_ref, slot, k_head, mask=kv_mask)  # [Tk, Dq] each
+        ks = load_tile(k_ref, slot, k_rows, mask=kv_mask)  # [Tk, Dq] each
         s = functools.reduce(jnp.add, [dot_nt(q, k.astype(compute_dtype))
                                        for q, k in zip(qs, ks)])  # f32[Gp, Tk]
         s = s * score_scale
@@ -142,7 +142,7 @@ def attend_tiles(tables_ref, k_ref, v_ref, qs, score_scale, slopes, *, b, h, n, 
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # all -inf so far: keep exp finite
         alpha = softmax_exp(m_prev - m_safe, interpret=interpret)  # f32[Gp]
         p = softmax_exp(s - m_safe[:, None], interpret=interpret)  # f32[Gp, Tk], 0 where masked
-        vs = load_tile(v_ref, slot, v_head, mask=kv_mask)  # [Tk, Dq] each
+        vs = load_tile(v_ref, slot, v_rows, mask=kv_mask)  # [Tk, Dq] each
         if fp8_pairs:  # the pairs' fp16 tiles, in fp32 for an fp32 query
             vs = tuple(v.astype(compute_dtype) for v in vs)
         else:
@@ -189,7 +189,7 @@ def _paged_decode_kernel(
     q_ref,       # [batch, num_kv_heads, group, head_dim]
     k_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (the cache, slot-major;
                  #  fp8_pairs: u16[..., head_dim / 2], two columns per word; fused: the one
-                 #  [num_blocks * block_size, 2 * num_kv_heads, head_dim] cache)
+                 #  cache [num_blocks * block_size, num_kv_heads, 2, head_dim], `slot_major`)
     v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (as k_ref; fused: k_ref)
     alibi_ref,   # f32[num_kv_heads, group] or None
     sinks_ref,   # f32[num_kv_heads, group] or None
@@ -543,7 +543,8 @@ def kernel_operands(q, k_cache, v_cache, block_tables, context_lens, alibi_slope
     per_head = lambda x: None if x is None else x.reshape(kvh, num_heads // kvh)  # noqa: E731
     return (context_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
             q.reshape(batch, kvh, num_heads // kvh, head_dim),
-            slot_major(k_cache, fp8_pairs=fp8_pairs), slot_major(v_cache, fp8_pairs=fp8_pairs),
+            slot_major(k_cache, fp8_pairs=fp8_pairs, fused=fused),
+            slot_major(v_cache, fp8_pairs=fp8_pairs, fused=fused),
             per_head(alibi_slopes), per_head(sinks), *kernel_scale_operands(k_scale, v_scale))
 
 

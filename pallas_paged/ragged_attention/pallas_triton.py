@@ -47,12 +47,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_paged._attention_common import divides, kv_head_rows, num_kv_heads
+from pallas_paged._attention_common import divides, num_kv_heads
 from pallas_paged._fp8 import kernel_scale_operands
 from pallas_paged._platform import next_power_of_2
-from pallas_paged._triton_common import (column_parts, dot_dtype, dot_nn, dot_nt, load_kv_parts,
-                                         merge_splits_pallas, query_for_dots, slot_major,
-                                         softmax_exp, uses_fp8_pairs, with_sink)
+from pallas_paged._triton_common import (column_parts, dot_dtype, dot_nn, dot_nt, kv_rows,
+                                         load_kv_parts, merge_splits_pallas, query_for_dots,
+                                         slot_major, softmax_exp, uses_fp8_pairs, with_sink)
 from pallas_paged.ragged_attention.pallas_triton_config import AttentionConfig, tile_dot_rows
 from pallas_paged.ragged_attention.tiles import kv_tile_plan
 
@@ -118,7 +118,7 @@ def _ragged_attention_kernel(
     q_ref,       # [num_tokens * num_heads, head_dim]  (row t * num_heads + head)
     k_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (the cache, slot-major;
                  #  fp8_pairs: u16[..., head_dim / 2], two columns per word; fused: the one
-                 #  [num_blocks * block_size, 2 * num_kv_heads, head_dim] cache)
+                 #  cache [num_blocks * block_size, num_kv_heads, 2, head_dim], `slot_major`)
     v_ref,       # [num_blocks * block_size, num_kv_heads, head_dim]  (as k_ref; fused: k_ref)
     alibi_ref,   # f32[num_heads] or None
     sinks_ref,   # f32[num_heads] or None
@@ -146,8 +146,8 @@ def _ragged_attention_kernel(
     program, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     batch = lens_ref.shape[0]
     head_dim = q_ref.shape[1]
-    kv_heads = k_ref.shape[1] // 2 if fused else k_ref.shape[1]
-    k_head, v_head = kv_head_rows(h, fused)
+    kv_heads = k_ref.shape[1]
+    k_rows, v_rows = kv_rows(h, fused)
     num_heads = kv_heads * group
     num_tokens = q_ref.shape[0] // num_heads
     num_blocks = k_ref.shape[0] // block_size
@@ -209,7 +209,7 @@ def _ragged_attention_kernel(
                     word_ok[None, :], (block_k, padded_dim // parts))
             block = jnp.clip(block, 0, num_blocks - 1)  # a garbage id can never leave the cache
             slot = block * block_size + pos % block_size  # i32[Tk]
-            ks = load_tile(k_ref, slot, k_head, mask=kv_mask)  # [Tk, Dq] each
+            ks = load_tile(k_ref, slot, k_rows, mask=kv_mask)  # [Tk, Dq] each
             s = functools.reduce(jnp.add, [dot_nt(q, k.astype(compute_dtype))
                                            for q, k in zip(qs, ks)]) * score_scale  # f32[M, Tk]
             if soft_cap is not None:
@@ -227,7 +227,7 @@ def _ragged_attention_kernel(
             # f32[M, Tk], 0 where a row does not see a position
             p = softmax_exp(s - m_safe[:, None], interpret=interpret)
             vs = tuple(v.astype(compute_dtype)
-                       for v in load_tile(v_ref, slot, v_head, mask=kv_mask))  # [Tk, Dq] each
+                       for v in load_tile(v_ref, slot, v_rows, mask=kv_mask))  # [Tk, Dq] each
             if masked:  # a row with weight 0 for a NaN/Inf value row would still get 0 * NaN
                 shared = (pos >= shared_lo) & (pos < shared_hi)
                 # False for NaN and +-Inf
@@ -349,7 +349,8 @@ def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, quer
         name=name,
     )(query_start_loc.astype(jnp.int32), context_lens.astype(jnp.int32),
       block_tables.astype(jnp.int32), q.reshape(num_tokens * num_heads, head_dim),
-      slot_major(k_cache, fp8_pairs=fp8_pairs), slot_major(v_cache, fp8_pairs=fp8_pairs),
+      slot_major(k_cache, fp8_pairs=fp8_pairs, fused=fused),
+      slot_major(v_cache, fp8_pairs=fp8_pairs, fused=fused),
       alibi_slopes, sinks, *kernel_scale_operands(k_scale, v_scale))
     if splits == 1:
         out, lse = outs
