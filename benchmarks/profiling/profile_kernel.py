@@ -30,22 +30,30 @@ from pallas_paged.decode_attention.api import select_kernel
 from pallas_paged.ragged_attention.api import select_kernel as select_ragged
 
 
+def picked_with(select, fields: dict | None):
+    """The config a call picks (``select()``: its ``(impl, config)``) with ``fields``
+    (`benchmarks._cli.parse_config`'s) replaced, or None (the call picks its own) without
+    fields."""
+    return dataclasses.replace(select()[1], **fields) if fields else None
+
+
+def described(shape, config) -> str:
+    """The shape's description, and the config where one was given."""
+    return shape.describe() + ("" if config is None else f", {config}")
+
+
 def decode_call(name: str, impl: str, fields: dict | None = None):
     """``(description, jitted fn, args)`` of one decode call on shape ``name``'s inputs; with
-    ``fields`` (`benchmarks._cli.parse_config`'s), the config ``decode`` picks with those fields
-    replaced."""
+    ``fields``, the config ``decode`` picks with those fields replaced (`picked_with`)."""
     shape = shape_by_name(name)
     inputs = make_decode_inputs(shape, seed=0)
-    config = None
-    if fields:
-        _, picked = select_kernel(*shape.abstract_args(), impl=impl, config=None,
-                                  interpret=resolve_interpret(None))
-        config = dataclasses.replace(picked, **fields)
+    config = picked_with(lambda: select_kernel(*shape.abstract_args(), impl=impl, config=None,
+                                               interpret=resolve_interpret(None)), fields)
     # the caches are arguments: closed over, they would be captured as constants of the program
     fn = jax.jit(lambda q, k, v, t, n: pp.decode(q, k, v, t, n, impl=impl, config=config,
                                                  sliding_window=shape.sliding_window,
                                                  **shape.scales))
-    return shape.describe() + ("" if config is None else f", {config}"), fn, inputs.args(0)
+    return described(shape, config), fn, inputs.args(0)
 
 
 def ragged_call(name: str, impl: str, fields: dict | None = None):
@@ -53,14 +61,12 @@ def ragged_call(name: str, impl: str, fields: dict | None = None):
     ``fields``, the config ``paged_attention`` picks with those fields replaced."""
     shape = shape_by_name(name)
     inputs = make_ragged_inputs(shape, seed=0)
-    config = None
-    if fields:
-        _, picked = select_ragged(*shape.abstract_args()[:3], impl=impl, config=None,
-                                  interpret=resolve_interpret(None))
-        config = dataclasses.replace(picked, **fields)
+    config = picked_with(lambda: select_ragged(*shape.abstract_args()[:3], impl=impl,
+                                               config=None, interpret=resolve_interpret(None)),
+                         fields)
     fn = jax.jit(lambda *args: pp.paged_attention(*args, impl=impl, config=config,
                                                   **shape.scales))
-    return shape.describe() + ("" if config is None else f", {config}"), fn, inputs.args(0)
+    return described(shape, config), fn, inputs.args(0)
 
 
 def main(argv=None) -> int:

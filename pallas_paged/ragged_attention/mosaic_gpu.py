@@ -41,7 +41,7 @@ later (``plgpu.kernel``). Read top to bottom (the public function is
    - With ``ping_pong`` (two consumers), a schedule barrier orders the two consumers' wgmmas so
      that one's softmax runs while the other's products run on the tensor cores. With
      ``overlap_softmax``, each consumer issues the next tile's ``Q K^T`` before this tile's
-     softmax, which then runs beside its own product (`attend_overlapped`).
+     softmax, which then runs beside its own product (`walk_overlapped`).
    - Each consumer normalizes its rows (with the sink), writes them to shared memory and from
      there to the output by TMA in boxes of 64, 32, ..., 1 tokens (the binary digits of its row
      count, so no row of another sequence is touched), and its lse (64 values) to a per-CTA
@@ -551,18 +551,26 @@ def _ragged_attention_kernel(
 
             def attend(j, it, done):
                 """Item ``it`` (the CTA's ``j``-th; ``done`` ring tiles read before it): its
-                query tile is in ``q_smem[c]``; its output and lse go out; persistent, the next
-                item's query tile moves in before the output is staged."""
+                query tile is in ``q_smem[c]``; its K/V tiles walked (`walk_tiles`, or
+                `walk_overlapped` with ``overlap_softmax``); its output and lse go out;
+                persistent, the next item's query tile moves in before the output is staged."""
                 head0, t0, queries, _, row0_pos = consumer_rows(it, c)
                 slope = None if alibi_ref is None else per_row_scores(per_row(alibi_ref, head0))
+                walk = walk_overlapped if overlap else walk_tiles
+                carry = walk(it, done, row0_pos=row0_pos, slope=slope)
+                finish(j, it, c, head0, t0, queries, row0_pos, carry)
+                return done + it.steps
+
+            def walk_tiles(it, done, *, row0_pos, slope):
+                """The online softmax over item ``it``'s K/V tiles, one `step_body` each:
+                ``(O f32[64, D], m f32[64] (base 2), l f32[64])``."""
                 walk = functools.partial(step_body, it=it, done=done, row0_pos=row0_pos,
                                          slope=slope)
                 carry = initial_state()
                 for (lo, hi), masked in zip(it.loops, (True, False, True)):
                     carry = jax.lax.fori_loop(lo, hi, functools.partial(walk, masked=masked),
                                               carry)
-                finish(j, it, c, head0, t0, queries, row0_pos, carry)
-                return done + it.steps
+                return carry
 
             def softmax(s, kv_tile, m_prev, l_prev, *, masked: bool, row0_pos, slope):
                 """Tile ``kv_tile``'s raw scores ``s`` f32[64, block_kv] -> ``(p, alpha, m_next,
@@ -605,14 +613,12 @@ def _ragged_attention_kernel(
                 else:
                     plgpu.barrier_wait(v_ready_bars.at[slot])
 
-            def attend_overlapped(j, it, done):
-                """`attend` with ``overlap_softmax``: tile ``t``'s softmax runs while tile
+            def walk_overlapped(it, done, *, row0_pos, slope):
+                """`walk_tiles` with ``overlap_softmax``: tile ``t``'s softmax runs while tile
                 ``t + 1``'s ``Q K^T`` is on the tensor cores. Each step issues the next tile's
                 scores, turns this tile's into weights, runs this tile's ``P V`` (its stage is
                 then free) and takes the next scores, done by then. The last tile takes the
                 masked path (its mask is a no-op on a tile every row sees whole)."""
-                head0, t0, queries, _, row0_pos = consumer_rows(it, c)
-                slope = None if alibi_ref is None else per_row_scores(per_row(alibi_ref, head0))
                 first, last = it.tile_lo, it.tile_lo + it.steps
 
                 def issue_scores(s_ref, kv_tile):
@@ -662,8 +668,7 @@ def _ragged_attention_kernel(
                 _, acc, m, l = jax.lax.fori_loop(
                     jnp.maximum(last - 1, first), last,
                     functools.partial(step, masked=True, last_tile=True), carry)
-                finish(j, it, c, head0, t0, queries, row0_pos, (acc, m, l))
-                return done + it.steps
+                return acc, m, l
 
             def step_body(kv_tile, carry, *, masked: bool, it, done, row0_pos, slope):
                 acc, m_prev, l_prev = carry  # f32[64, D], f32[64] (base 2), f32[64]
@@ -705,7 +710,7 @@ def _ragged_attention_kernel(
 
             if ping_pong and c == 1:
                 schedule_turn()  # the second consumer starts one turn behind the first
-            for_each_item(attend_overlapped if overlap else attend, jnp.int32(0))
+            for_each_item(attend, jnp.int32(0))
             if ping_pong and c == 0:
                 schedule_turn()  # the second consumer's last turn
 
