@@ -30,6 +30,7 @@ from pallas_paged import (AttentionConfig, DecodeConfig, MosaicAttentionConfig, 
                           _mosaic_common)
 from pallas_paged.ragged_attention import mosaic_gpu as ragged_mosaic
 from pallas_paged._triton_common import kv_ring_depth
+from pallas_paged.decode_attention.api import select_kernel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_API = _mosaic_common.jax_version() >= _mosaic_common.MIN_JAX  # the Mosaic kernel runs
@@ -909,6 +910,18 @@ def test_profile_kernel_passes_the_caches_as_arguments(name):
     text = fn.lower(*args).as_text()
     constants = re.findall(r'dense<"0x([0-9A-F]+)">', text)  # hex: 2 digits a byte
     assert max((len(c) // 2 for c in constants), default=0) < args[1].nbytes
+
+
+def test_profile_kernel_replaces_fields_of_the_config_a_windowed_decode_picks():
+    """``--config`` over what ``decode`` picks for the call: a window's span, not the tables'
+    capacity, sets the tile (here 16 tokens for a window of 16 over 128-token tables)."""
+    from benchmarks.profiling import profile_kernel
+
+    shape = shapes.shape_by_name("smoke_swa16_b2_ctx128")
+    _, picked = select_kernel(*shape.abstract_args(), impl="pallas", config=None,
+                              interpret=True, sliding_window=shape.sliding_window)
+    describe, _, _ = profile_kernel.decode_call(shape.name, "pallas", {"num_warps": 2})
+    assert str(dataclasses.replace(picked, num_warps=2)) in describe
 
 
 def test_profile_kernel_takes_a_ragged_config():

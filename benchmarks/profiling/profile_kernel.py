@@ -48,7 +48,8 @@ def decode_call(name: str, impl: str, fields: dict | None = None):
     shape = shape_by_name(name)
     inputs = make_decode_inputs(shape, seed=0)
     config = picked_with(lambda: select_kernel(*shape.abstract_args(), impl=impl, config=None,
-                                               interpret=resolve_interpret(None)), fields)
+                                               interpret=resolve_interpret(None),
+                                               sliding_window=shape.sliding_window), fields)
     # the caches are arguments: closed over, they would be captured as constants of the program
     fn = jax.jit(lambda q, k, v, t, n: pp.decode(q, k, v, t, n, impl=impl, config=config,
                                                  sliding_window=shape.sliding_window,
